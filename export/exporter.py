@@ -1,0 +1,193 @@
+"""Export an encoder to a validated export directory (graph files + metadata.json).
+
+`export_onnx` writes one graph; `export_model` builds the whole directory under a temporary name,
+validates every graph against PyTorch, writes metadata.json and only then renames it into place,
+so a failure leaves nothing half-written where the server looks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import onnx
+import torch
+
+from export.cases import MaskSpec, make_feeds, validation_cases
+from export.contract import MAX_IR_VERSION, ExportContract
+from export.graphs import GRAPHS
+from export.metadata import build_metadata, write_json_atomic
+from export.validate import ValidationReport, validate
+from model.config import EncoderConfig
+from model.encoder import Encoder, build_encoder
+
+# torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+Progress = Callable[[str], None]
+
+# The sample traced at export (batch 2, length 16): validation uses other shapes on purpose.
+SAMPLE_LENGTHS = [16, 9]
+
+
+class ExportError(Exception):
+    """A bad request to the exporter (unwritable directory, unknown graph variant, ...)."""
+
+
+@dataclass
+class GraphResult:
+    name: str
+    path: Path
+    report: ValidationReport
+    seconds: float
+
+
+@dataclass
+class ExportResult:
+    directory: Path
+    metadata: dict
+    graphs: list[GraphResult]
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export_onnx(model: Encoder, contract: ExportContract, path: str | Path) -> None:
+    """torch.onnx.export (dynamo) with symbolic batch and sequence axes taken from the contract."""
+    config = contract.config
+    feeds = make_feeds(config, SAMPLE_LENGTHS, MaskSpec(), seed=0)
+    args = tuple(torch.from_numpy(feeds[s.name]) for s in contract.inputs)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    sequence = torch.export.Dim("sequence", min=1, max=config.max_positions)
+    axis = {"batch": batch, "sequence": sequence}
+    # dynamic_shapes is keyed by forward()'s parameter names, in the same order as the inputs.
+    params = list(model.forward.__code__.co_varnames[1 : 1 + len(args)])
+    dynamic = {
+        param: {i: axis[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
+        for param, spec in zip(params, contract.inputs)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamic_shapes=dynamic,
+            input_names=[s.name for s in contract.inputs],
+            output_names=[s.name for s in contract.outputs],
+            opset_version=contract.opset,
+            dynamo=True,
+            verbose=False,
+        )
+    program.save(str(path))
+    proto = onnx.load(str(path))
+    if proto.ir_version > MAX_IR_VERSION:
+        proto.ir_version = MAX_IR_VERSION
+        onnx.save(proto, str(path))
+
+
+def _check_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ExportError(f"output directory {out_dir} is not writable: {exc.strerror or exc}") from None
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`; an existing target is moved aside first, then removed."""
+    backup = None
+    if target.exists():
+        backup = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.rename(target, backup)
+    os.rename(staging, target)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def export_model(
+    config: EncoderConfig,
+    out_dir: str | Path,
+    *,
+    model: Encoder | None = None,
+    opset: int | None = None,
+    graphs: tuple[str, ...] = ("fp32",),
+    extra_files: dict[str, Path] | None = None,
+    tokenizer: dict | None = None,
+    pooling: dict | None = None,
+    long_length: int = 67,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Export `model` (default: the seeded encoder for `config`) into `out_dir/config.name/`.
+
+    extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
+    Raises ExportError for bad requests and export.validate.ExportValidationError when a graph
+    does not match PyTorch; in both cases nothing is left in out_dir.
+    """
+    say = progress or (lambda _msg: None)
+    unknown = [g for g in graphs if g not in GRAPHS]
+    if unknown:
+        raise ExportError(f"unknown graph variant(s) {', '.join(unknown)}; known: {', '.join(GRAPHS)}")
+    if "fp32" not in graphs:
+        graphs = ("fp32", *graphs)
+    out_dir = Path(out_dir)
+    _check_writable(out_dir)
+    model = (model or build_encoder(config)).eval()
+    contract = ExportContract(config, **({"opset": opset} if opset else {}))
+    target = out_dir / config.name
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{config.name}.staging-"))
+    try:
+        cases = validation_cases(config, long_length=long_length)
+        results: list[GraphResult] = []
+        for name in graphs:
+            variant = GRAPHS[name]
+            path = staging / variant.file
+            started = time.perf_counter()
+            if variant.build is None:
+                say(f"[{config.name}] exporting {name} with torch.onnx (dynamo, opset {contract.opset})")
+                export_onnx(model, contract, path)
+            else:
+                say(f"[{config.name}] building {name} from fp32")
+                variant.build(str(staging / GRAPHS["fp32"].file), str(path), config)
+            say(f"[{config.name}] validating {name} on {len(cases)} cases vs PyTorch")
+            report = validate(str(path), model, contract, cases, tolerance=variant.tolerance,
+                              providers=variant.validate_on)
+            results.append(GraphResult(name, path, report, time.perf_counter() - started))
+            say(f"[{config.name}] {name}: {report.metric} worst {report.worst:.3g} "
+                f"(limit {report.limit:g}) over {report.cases} cases")
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, staging / name)
+        metadata = build_metadata(
+            contract,
+            graphs={r.name: {"file": GRAPHS[r.name].file, "sha256": sha256_file(r.path),
+                             "bytes": r.path.stat().st_size,
+                             "ir_version": int(onnx.load(str(r.path), load_external_data=False).ir_version),
+                             "description": GRAPHS[r.name].description,
+                             "tolerance": GRAPHS[r.name].tolerance, "validation": r.report.as_dict()}
+                    for r in results},
+            tokenizer=tokenizer,
+            pooling=pooling,
+        )
+        write_json_atomic(staging / "metadata.json", metadata)
+        staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
+        _swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for r in results:
+        r.path = target / r.path.name
+    return ExportResult(target, metadata, results)
+

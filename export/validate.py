@@ -1,0 +1,141 @@
+"""Validation of a written graph against the PyTorch reference: names, then shapes, then values.
+
+Unlike Optimum, which warns, a failed validation raises a typed error and fails the export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from export.cases import Case
+from export.contract import MAX_IR_VERSION, ExportContract
+
+
+class ExportValidationError(Exception):
+    """The written graph does not match the contract or the reference."""
+
+
+class InputNamesMismatch(ExportValidationError):
+    pass
+
+
+class ShapeMismatch(ExportValidationError):
+    pass
+
+
+class NonFiniteOutput(ExportValidationError):
+    pass
+
+
+class ToleranceExceeded(ExportValidationError):
+    pass
+
+
+@dataclass
+class ValidationReport:
+    metric: str
+    limit: float
+    worst: float = 0.0
+    worst_case: str = ""
+    cases: int = 0
+    per_case: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"cases": self.cases, "metric": self.metric, "limit": self.limit,
+                "worst": self.worst, "worst_case": self.worst_case, "passed": True}
+
+
+def _graph_dims(value_info) -> tuple:
+    return tuple(d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim)
+
+
+def check_graph_contract(path: str, contract: ExportContract) -> onnx.ModelProto:
+    """Full onnx.checker, IR version, input/output names and their symbolic dims in the saved file."""
+    proto = onnx.load(path)
+    if proto.ir_version > MAX_IR_VERSION:
+        raise ExportValidationError(f"IR version {proto.ir_version} > {MAX_IR_VERSION} (onnxruntime limit)")
+    onnx.checker.check_model(proto, full_check=True)
+    for kind, specs, values in (("input", contract.inputs, proto.graph.input),
+                                ("output", contract.outputs, proto.graph.output)):
+        names = [v.name for v in values]
+        expected = [s.name for s in specs]
+        if names != expected:
+            raise InputNamesMismatch(f"graph {kind}s {names} != contract {expected}")
+        for spec, value in zip(specs, values):
+            dims = _graph_dims(value)
+            if len(dims) != len(spec.dims) or any(
+                (isinstance(want, str) and not isinstance(got, str)) or (isinstance(want, int) and got != want)
+                for want, got in zip(spec.dims, dims)
+            ):
+                raise ShapeMismatch(f"{kind} {spec.name}: graph dims {list(dims)}, contract {list(spec.dims)}")
+    return proto
+
+
+def reference_outputs(model: torch.nn.Module, contract: ExportContract, feeds: dict) -> list[np.ndarray]:
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[s.name])) for s in contract.inputs]
+    with torch.no_grad():
+        return [t.numpy() for t in model(*args)]
+
+
+def _cosine_min(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    na, nb = np.linalg.norm(a64, axis=-1), np.linalg.norm(b64, axis=-1)
+    live = (na > 0) & (nb > 0)
+    if not live.any():
+        return 1.0
+    cos = (a64[live] * b64[live]).sum(-1) / (na[live] * nb[live])
+    return float(cos.min())
+
+
+def compare(actual: list[np.ndarray], expected: list[np.ndarray], feeds: dict, metric: str) -> float:
+    """The case's score: max abs error over valid positions, or min cosine of the pooled vectors."""
+    valid = feeds["attention_mask"].astype(bool)
+    if metric == "max_abs":
+        hidden = np.abs(actual[0] - expected[0])[valid]
+        pooled = np.abs(actual[1] - expected[1])
+        return float(max(hidden.max(initial=0.0), pooled.max(initial=0.0)))
+    if metric == "min_cosine":
+        return _cosine_min(actual[1], expected[1])
+    raise ValueError(f"unknown tolerance metric {metric!r}")
+
+
+def validate(
+    path: str,
+    model: torch.nn.Module,
+    contract: ExportContract,
+    cases: list[Case],
+    *,
+    tolerance: dict | None = None,
+    providers: tuple[str, ...] = ("CPUExecutionProvider",),
+) -> ValidationReport:
+    tolerance = tolerance or contract.tolerance
+    metric, limit = tolerance["metric"], float(tolerance["limit"])
+    check_graph_contract(path, contract)
+    session = ort.InferenceSession(path, providers=list(providers))
+    report = ValidationReport(metric=metric, limit=limit, worst=0.0 if metric == "max_abs" else 1.0)
+    out_names = [s.name for s in contract.outputs]
+    for case in cases:
+        actual = session.run(out_names, case.feeds)
+        expected = reference_outputs(model, contract, case.feeds)
+        for spec, got, want in zip(contract.outputs, actual, expected):
+            if got.shape != want.shape or got.dtype != np.float32:
+                raise ShapeMismatch(f"{case.label}: {spec.name} {got.shape} {got.dtype}, expected {want.shape} float32")
+            if not np.isfinite(got).all():
+                raise NonFiniteOutput(f"{case.label}: {spec.name} has NaN or Inf")
+        score = compare(actual, expected, case.feeds, metric)
+        report.cases += 1
+        report.per_case.append((case.label, score))
+        worse = score > report.worst if metric == "max_abs" else score < report.worst
+        if worse:
+            report.worst, report.worst_case = score, case.label
+    failed = report.worst > limit if metric == "max_abs" else report.worst < limit
+    if failed:
+        raise ToleranceExceeded(
+            f"{metric} {report.worst:.3g} beyond limit {limit:g} (worst case: {report.worst_case})"
+        )
+    return report

@@ -1,0 +1,151 @@
+"""The one configuration object of the encoder: the single source of truth.
+
+It is frozen (nanoGPT mutates its config in place; that is the bug we avoid), passed whole to
+every module, saved beside every export as JSON and read back by the server. This module imports
+no torch, so the server can read a config without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Every variant switch and the values it accepts. `python -m export --variant` and the
+# error messages read these tuples; nothing else spells the choices out.
+SCALINGS = ("sqrt_dk", "temperature", "cosine", "length")
+NORM_PLACEMENTS = ("post", "pre")
+POSITIONALS = ("sinusoidal", "learned", "none")
+ACTIVATIONS = ("relu", "gelu")
+ATTENTION_KINDS = ("softmax", "additive", "linear")
+INPUT_KINDS = ("tokens", "features")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe an encoder; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Shape and variant of the reference encoder stack (see ../shared/SEEDS.md)."""
+
+    name: str = "default"
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 1024
+    # Input: "tokens" (ids through an embedding table of vocab_size rows) or "features"
+    # (raw float vectors [B, T, d_model] embedded elsewhere).
+    input_kind: str = "tokens"
+    vocab_size: int = 8192
+    max_positions: int = 1024
+    # BERT-family extras: token-type embeddings (0 = none), LayerNorm after the embeddings.
+    type_vocab_size: int = 0
+    embedding_layer_norm: bool = False
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 0
+    # Variant switches.
+    scaling: str = "sqrt_dk"
+    temperature: float = 1.0  # used by scaling="temperature" (1 = no scaling) and "cosine"
+    norm_placement: str = "post"
+    positional: str = "sinusoidal"
+    activation: str = "relu"
+    attention: str = "softmax"
+    # Seed for the weights when no checkpoint is loaded: exports are reproducible.
+    seed: int = 0
+    # Free-form provenance (e.g. the checkpoint a config was read from); not used in the math.
+    source: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("scaling", SCALINGS),
+            ("norm_placement", NORM_PLACEMENTS),
+            ("positional", POSITIONALS),
+            ("activation", ACTIVATIONS),
+            ("attention", ATTENTION_KINDS),
+            ("input_kind", INPUT_KINDS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}"
+            )
+        if self.input_kind == "tokens" and self.vocab_size < 1:
+            raise ConfigError("vocab_size must be >= 1 for input_kind='tokens'")
+        if self.input_kind == "features" and self.type_vocab_size:
+            raise ConfigError("type_vocab_size needs input_kind='tokens'")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if self.layer_norm_eps <= 0:
+            raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def replace(self, **changes: Any) -> "EncoderConfig":
+        """A new config with `changes`; unknown fields are a ConfigError, not a TypeError."""
+        return from_dict({**to_dict(self), **changes})
+
+
+def to_dict(config: EncoderConfig) -> dict[str, Any]:
+    data = dataclasses.asdict(config)
+    data["source"] = dict(config.source)
+    return data
+
+
+def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
+    known = {f.name: f for f in dataclasses.fields(EncoderConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+    coerced: dict[str, Any] = {}
+    for key, value in data.items():
+        default = known[key].default
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                value = value.lower() in ("1", "true", "yes", "on")
+            coerced[key] = bool(value)
+        elif isinstance(default, int):
+            coerced[key] = int(value)
+        elif isinstance(default, float):
+            coerced[key] = float(value)
+        else:
+            coerced[key] = value
+    return EncoderConfig(**coerced)
+
+
+def to_json(config: EncoderConfig) -> str:
+    return json.dumps(to_dict(config), indent=2, sort_keys=True)
+
+
+def from_json(text: str) -> EncoderConfig:
+    return from_dict(json.loads(text))
+
+
+# Named presets: the default model and one config per variant switch, so that every switch is
+# exported and parity-tested. `python -m export --variant NAME` writes these.
+def variants(base: EncoderConfig | None = None) -> dict[str, EncoderConfig]:
+    base = base or EncoderConfig()
+    presets = {
+        "default": {},
+        "scale-none": {"scaling": "temperature", "temperature": 1.0},
+        "scale-temperature": {"scaling": "temperature", "temperature": 4.0},
+        "scale-cosine": {"scaling": "cosine", "temperature": 0.1},
+        "scale-length": {"scaling": "length"},
+        "pre-norm": {"norm_placement": "pre"},
+        "pos-learned": {"positional": "learned"},
+        "pos-none": {"positional": "none"},
+        "gelu": {"activation": "gelu"},
+        "additive": {"attention": "additive"},
+        "linear": {"attention": "linear"},
+        "features": {"input_kind": "features"},
+    }
+    return {name: base.replace(name=name if name != "default" else base.name, **change)
+            for name, change in presets.items()}
