@@ -1,0 +1,1 @@
+"""gRPC encoder service on ONNX Runtime (see docs/serving.md). Never imports torch."""

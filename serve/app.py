@@ -1,0 +1,219 @@
+"""Server assembly and lifecycle: `create_server(config) -> (server, port)` and `serve(config)`.
+
+Lifecycle: bind and start (health NOT_SERVING; Encode answers UNAVAILABLE) -> load the export,
+check the backend, warm up -> SERVING. On SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
+drain the queue and the running batch, `server.stop(grace)`, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serve import logs
+from serve.backend import Backend, OnnxRuntimeBackend
+from serve.config import ServerConfig
+from serve.engine import Engine
+from serve.errors import ServeError, Unavailable
+from serve.export_dir import ExportDir
+from serve.metrics import Metrics
+from serve import security
+from serve.pb import pb, pb_grpc
+from serve.reload import ADMIN_SERVICE_NAME, add_admin_to_server, build_engine, reload_model
+from serve.servicer import EncoderServicer
+
+log = logging.getLogger("serve.app")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
+BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
+
+
+def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
+    backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
+                                 intra_op_threads=config.intra_op_threads)
+    if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
+        from serve.faults import FaultInjectingBackend
+
+        return FaultInjectingBackend(backend, config.fault_inject)
+    return backend
+
+
+class EncoderServer:
+    """The gRPC server plus the model it serves; `load()` makes it ready, `shutdown()` drains it."""
+
+    def __init__(self, config: ServerConfig, backend_factory: BackendFactory | None = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
+        self._backend_factory = backend_factory or default_backend
+        self._engine: Engine | None = None
+        self._state = "starting"  # starting -> loading -> serving -> draining -> stopped
+        self._lock = threading.Lock()
+        self._reload_lock = threading.Lock()  # one reload at a time (serve/reload.py)
+        # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
+        # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
+        hard_limit = 2 * config.max_request_bytes + (1 << 20)
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grpc"),
+            options=[("grpc.max_receive_message_length", hard_limit),
+                     ("grpc.max_send_message_length", -1)],
+            interceptors=security.interceptors(config),  # bearer token when --auth-token is set
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        pb_grpc.add_EncoderServiceServicer_to_server(
+            EncoderServicer(self.engine, self.metrics, config.max_request_bytes), self.grpc)
+        # --- KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md) ---
+        from serve.kserve import add_kserve_to_server
+
+        add_kserve_to_server(self.engine, self.metrics, self.grpc)
+        # --- end KServe v2 ---
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if config.admin:  # ReloadModel (serve/reload.py); SIGHUP reloads without it
+            add_admin_to_server(self, self.grpc)
+            services.append(ADMIN_SERVICE_NAME)
+        reflection.enable_server_reflection(tuple(services), self.grpc)
+        self._set_health(False)
+        credentials = security.server_credentials(config)  # None: plaintext (bind 127.0.0.1)
+        address = f"{config.host}:{config.port}"
+        self.port = (self.grpc.add_insecure_port(address) if credentials is None
+                     else self.grpc.add_secure_port(address, credentials))
+
+    # -- state -------------------------------------------------------------------------------
+    def engine(self) -> Engine:
+        engine, state = self._engine, self._state
+        if state != "serving" or engine is None:
+            reason = {"draining": "server is shutting down", "stopped": "server stopped"}.get(
+                state, "model is loading")
+            raise Unavailable(f"{reason}; not serving (health NOT_SERVING)")
+        return engine
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.grpc.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
+        if self.config.port_file:
+            path = Path(self.config.port_file)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
+            os.replace(tmp, path)
+        logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port)
+
+    def load(self) -> None:
+        """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
+        c = self.config
+        self._state = "loading"
+        started = time.monotonic()
+        # load + sha256 + session checks + warm-up + a probe inference (serve/reload.py)
+        engine, warm_s = build_engine(c.export_dir, c.graph, c, self._backend_factory,
+                                      self.metrics.observe_batcher)
+        export, backend = engine.export, engine.backend
+        with self._lock:
+            if self._state != "loading":  # a shutdown arrived while loading
+                engine.batcher.stop(0)
+                return
+            self._engine = engine
+            self._state = "serving"
+        self._set_health(True)
+        self.metrics.ready.set(1)
+        logs.event(log, "serving", model=export.name, sha256=export.sha256[:12], graph=export.graph,
+                   provider=backend.info.execution_provider, warmup_s=f"{warm_s:.3f}",
+                   load_s=f"{time.monotonic() - started:.3f}")
+
+    def reload(self, export_dir: str = "", graph: str = ""):
+        """Swaps in a checked new model without downtime; ModelRefused keeps the old one (serve/reload.py)."""
+        return reload_model(self, export_dir, graph)
+
+    def _swap_engine(self, old: Engine, new: Engine) -> bool:
+        with self._lock:
+            if self._state != "serving" or self._engine is not old:
+                return False
+            self._engine = new
+            return True
+
+    def shutdown(self, grace: float | None = None) -> bool:
+        """Stop admitting, drain queued and running work, then stop gRPC. True when fully drained."""
+        grace = self.config.grace_s if grace is None else grace
+        with self._lock:
+            if self._state in ("draining", "stopped"):
+                return True
+            self._state = "draining"
+        self._set_health(False)
+        self.metrics.ready.set(0)
+        engine = self._engine
+        logs.event(log, "draining", queued=engine.batcher.queue_depth() if engine else 0, grace_s=grace)
+        started = time.monotonic()
+        drained = True
+        if engine is not None:
+            engine.batcher.close()
+            drained = engine.batcher.drain(grace)
+        # In-flight handlers now only build their responses; stop() lets them finish.
+        self.grpc.stop(max(0.0, grace - (time.monotonic() - started))).wait()
+        if engine is not None:
+            engine.batcher.stop(0)
+        self.metrics.close()
+        self._state = "stopped"
+        logs.event(log, "stopped", drained=drained, drain_s=f"{time.monotonic() - started:.3f}")
+        return drained
+
+
+def create_server(config: ServerConfig, *, backend_factory: BackendFactory | None = None
+                  ) -> tuple[EncoderServer, int]:
+    """A bound, not yet started server and its port (port 0 in the config: the OS chooses)."""
+    server = EncoderServer(config, backend_factory)
+    return server, server.port
+
+
+def serve(config: ServerConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    logs.setup(config.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        server, _ = create_server(config)
+    except RuntimeError as error:  # e.g. the port is taken
+        logs.event(log, "startup_failed", logging.ERROR, error=str(error))
+        return 1
+    except ServeError as error:  # e.g. an unreadable TLS certificate
+        logs.event(log, "startup_failed", logging.ERROR, error=error.message)
+        return 1
+
+    def reload_on_hup(signum, frame) -> None:  # re-read the served export dir; refusal keeps the old model
+        def run() -> None:
+            try:
+                server.reload()
+            except ServeError as error:
+                logs.event(log, "sighup_reload_failed", logging.ERROR, error=error.message)
+
+        threading.Thread(target=run, name="sighup-reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, reload_on_hup)
+    server.start()
+    try:
+        server.load()
+    except Exception as error:  # never half-started: health was never SERVING; stop and exit 1
+        message = error.message if isinstance(error, ServeError) else f"{type(error).__name__}: {error}"
+        logs.event(log, "startup_failed", logging.ERROR, error=message)
+        server.shutdown(0)
+        return 1
+    stop.wait()
+    logs.event(log, "signal_received")
+    return 0 if server.shutdown() else 1

@@ -1,0 +1,152 @@
+"""The inference backend protocol and its ONNX Runtime implementation.
+
+A backend takes one padded batch of graph inputs and returns the graph outputs. It fails fast at
+start: it checks the device it got, and that the graph's inputs are the ones this server feeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from model.config import EncoderConfig
+from model.mask_kinds import MASK_INPUTS, MaskKind
+from serve import logs
+from serve.errors import BackendError
+from serve.export_dir import ExportDir
+
+log = logging.getLogger("serve.backend")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+OUTPUTS = ("last_hidden_state", "mean_pooled")
+_ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "bool": "tensor(bool)"}
+
+
+def expected_inputs(config: EncoderConfig) -> dict[str, str]:
+    """The graph inputs this server feeds, in graph order, with their ONNX Runtime type."""
+    first = ("input_ids", "int64") if config.input_kind == "tokens" else ("inputs_embeds", "float32")
+    names = [first, ("attention_mask", "int64"), *((n, d) for n, (d, _) in MASK_INPUTS.items())]
+    if config.type_vocab_size:
+        names.append(("token_type_ids", "int64"))
+    return {name: _ORT_TYPES[dtype] for name, dtype in names}
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    providers: tuple[str, ...]  # what the session actually uses, in priority order
+    available_providers: tuple[str, ...]
+
+    @property
+    def execution_provider(self) -> str:
+        return self.providers[0] if self.providers else "none"
+
+
+class Backend(Protocol):
+    info: BackendInfo
+
+    def health(self) -> None: ...  # raises BackendError when it cannot serve
+
+    def encode(self, batch: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def choose_providers(device: str, cuda_device_id: int, available: list[str]) -> list:
+    if device == "cpu":
+        return [CPU]
+    if CUDA not in available:
+        if device == "cuda":
+            raise BackendError(
+                f"--device cuda: this onnxruntime has no {CUDA} (available: {', '.join(available)}); "
+                "install onnxruntime-gpu (instead of onnxruntime) on a host with an NVIDIA GPU, or use --device cpu"
+            )
+        logs.event(log, "cuda_unavailable_fallback_cpu", logging.WARNING, available=",".join(available))
+        return [CPU]
+    return [(CUDA, {"device_id": int(cuda_device_id)}), CPU]
+
+
+class OnnxRuntimeBackend:
+    def __init__(self, export: ExportDir, *, device: str = "cpu", cuda_device_id: int = 0,
+                 intra_op_threads: int = 0) -> None:
+        import onnxruntime as ort
+
+        self.export = export
+        self.config = export.config
+        available = list(ort.get_available_providers())
+        providers = choose_providers(device, cuda_device_id, available)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if intra_op_threads:
+            options.intra_op_num_threads = int(intra_op_threads)
+        try:
+            self.session = ort.InferenceSession(str(export.graph_path), sess_options=options, providers=providers)
+        except Exception as error:  # onnxruntime raises its own exception types
+            raise BackendError(f"cannot load {export.graph_path} on {device}: {error}") from error
+        actual = tuple(self.session.get_providers())
+        if device == "cuda" and (not actual or actual[0] != CUDA):
+            raise BackendError(
+                f"--device cuda was asked for but the session runs on {actual[0] if actual else 'nothing'} "
+                f"(providers {list(actual)}): check the CUDA/cuDNN libraries onnxruntime-gpu needs "
+                f"and --cuda-device-id={cuda_device_id}"
+            )
+        if device == "auto" and CUDA in available and actual[0] != CUDA:
+            logs.event(log, "cuda_session_failed_fallback_cpu", logging.WARNING, providers=",".join(actual))
+        self.info = BackendInfo(actual, tuple(available))
+        self._check_graph()
+        self._feeds_cache: dict[str, str] = {}
+
+    def _check_graph(self) -> None:
+        expected = expected_inputs(self.config)
+        got = {i.name: i.type for i in self.session.get_inputs()}
+        if got != expected:
+            raise BackendError(
+                f"{self.export.graph_path}: graph inputs {got} are not the ones this server feeds {expected}; "
+                "re-export with this version of `python -m export`"
+            )
+        outputs = [o.name for o in self.session.get_outputs()]
+        missing = [name for name in OUTPUTS if name not in outputs]
+        if missing:
+            raise BackendError(f"{self.export.graph_path}: graph lacks output(s) {missing} (has {outputs})")
+
+    def health(self) -> None:
+        if self.session is None:
+            raise BackendError("session closed")
+
+    def encode(self, batch: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            hidden, pooled = self.session.run(list(OUTPUTS), dict(batch))
+        except Exception as error:
+            raise BackendError(f"inference failed: {type(error).__name__}: {error}") from error
+        return hidden, pooled
+
+    def warm_up(self, lengths: tuple[int, ...] = (1, 8, 64)) -> float:
+        """Runs a few shapes (every mask kind) so the first request does not pay for allocation."""
+        started = time.perf_counter()
+        kinds = list(MaskKind)
+        for length in lengths:
+            length = min(length, self.config.max_positions)
+            self.encode(dummy_batch(self.config, len(kinds), length, kinds))
+        return time.perf_counter() - started
+
+
+def dummy_batch(config: EncoderConfig, rows: int, length: int, kinds: list[MaskKind] | None = None) -> dict:
+    kinds = kinds or [MaskKind.BIDIRECTIONAL] * rows
+    if config.input_kind == "tokens":
+        first = ("input_ids", np.zeros((rows, length), np.int64))
+    else:
+        first = ("inputs_embeds", np.zeros((rows, length, config.d_model), np.float32))
+    batch = {
+        first[0]: first[1],
+        "attention_mask": np.ones((rows, length), np.int64),
+        "mask_kind": np.array([int(k) for k in kinds], np.int64),
+        "mask_causal": np.zeros(rows, bool),
+        "mask_window": np.ones(rows, np.int64),
+        "mask_step": np.full(rows, 2, np.int64),
+        "custom_mask": np.ones((rows, length, length), bool),
+    }
+    if config.type_vocab_size:
+        batch["token_type_ids"] = np.zeros((rows, length), np.int64)
+    return batch

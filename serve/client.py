@@ -1,0 +1,234 @@
+"""A small client for the encoder service, and a CLI.
+
+    client = EncoderClient("127.0.0.1:50051")
+    out = client.encode([[1, 2, 3], [4, 5]], mask="sliding_window", window=2, hidden_states=True)
+    out.embeddings  # float32 [2, d_model]
+    out = client.embed(["some text", "more"], truncate=True)  # models with a tokenizer
+    out.embeddings, out.token_counts  # float32 [2, d_model] (the export's pooling), (4, 3)
+
+    python -m serve.client encode --ids 1,2,3 --ids 4,5 --mask causal
+    python -m serve.client embed "some text" "more" [--out vectors.npy | --out vectors.jsonl]
+    cat lines.txt | python -m serve.client embed -        (serve/embed.py)
+    python -m serve.client info
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from model.mask_kinds import MaskKind
+from serve.pb import pb, pb_grpc
+from serve.tensors import from_numpy, to_numpy
+
+_POOLING = {None: pb.POOLING_DEFAULT, "default": pb.POOLING_DEFAULT, "none": pb.POOLING_NONE,
+            "mean": pb.POOLING_MEAN, "first": pb.POOLING_FIRST}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass(frozen=True)
+class EncodeOutput:
+    request_id: str
+    embeddings: np.ndarray | None  # float32 [B, D] (None when pooling="none")
+    hidden_states: list[np.ndarray] | None  # one float32 [T_i, D] per sequence, when asked for
+    metadata: "pb.ResponseMetadata"
+    token_counts: tuple[int, ...] = ()  # tokens per sequence / text (after truncation, special tokens included)
+
+
+def build_request(
+    sequences: Sequence, *, mask: str | MaskKind = "bidirectional", causal: bool = False, window: int = 0,
+    step: int = 0, custom: np.ndarray | None = None, hidden_states: bool = False, pooling: str | None = None,
+    normalize: bool | None = None, request_id: str = "", texts: Sequence[str] = (), truncate: bool = False,
+) -> "pb.EncodeRequest":
+    """An EncodeRequest of token-id / feature `sequences`, or of `texts` (send one of the two)."""
+    kind = mask if isinstance(mask, MaskKind) else MaskKind.parse(mask)
+    tensors = []
+    for seq in sequences:
+        array = np.asarray(seq)
+        if array.dtype.kind in "iu":
+            array = array.astype(np.int64, copy=False)
+        elif array.dtype.kind == "f":
+            array = array.astype(np.float32, copy=False)
+        tensors.append(from_numpy(array))
+    msg = pb.EncodeRequest(
+        request_id=request_id, sequences=tensors, texts=list(texts), truncate=truncate,
+        mask=pb.Mask(kind=int(kind), causal=causal, window=window, step=step),
+        output=pb.OutputOptions(hidden_states=hidden_states, pooling=_POOLING[pooling]),
+    )
+    if custom is not None:
+        msg.mask.custom.CopyFrom(from_numpy(np.asarray(custom, bool)))
+    if normalize is not None:
+        msg.output.normalize = normalize
+    return msg
+
+
+def parse_response(response: "pb.EncodeResponse") -> EncodeOutput:
+    embeddings = [to_numpy(r.embedding, "embedding") for r in response.results if r.HasField("embedding")]
+    hidden = [to_numpy(r.hidden_states, "hidden_states") for r in response.results if r.HasField("hidden_states")]
+    return EncodeOutput(
+        request_id=response.request_id,
+        embeddings=np.stack(embeddings) if embeddings else None,
+        hidden_states=hidden or None,
+        metadata=response.metadata,
+        token_counts=tuple(response.metadata.token_counts),
+    )
+
+
+def _pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes, or a path to a PEM file."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as handle:
+        return handle.read()
+
+
+class EncoderClient:
+    """Retries UNAVAILABLE (server starting, restarting, draining, unreachable) with jittered,
+    capped exponential backoff: `retries` more attempts, each with `timeout`. Encode is idempotent.
+
+    TLS: `tls=True` (system roots) or `tls_ca` (PEM bytes or path); mTLS adds `tls_cert` + `tls_key`.
+    `token` is sent as `authorization: Bearer <token>` on every call (health included, harmlessly).
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 30.0, retries: int = 3,
+                 backoff_s: float = 0.1, max_backoff_s: float = 2.0, max_message_bytes: int = 256 * 1024 * 1024,
+                 tls: bool = False, tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None, token: str | None = None) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # reconnect soon after a restart rather than after gRPC's default backoff (up to 120 s)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(max(max_backoff_s, 0.1) * 1000)),
+        ]
+        if tls or tls_ca or tls_cert:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert))
+            self.channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = pb_grpc.EncoderServiceStub(self.channel)
+        self.timeout, self.retries, self.backoff_s, self.max_backoff_s = timeout, retries, backoff_s, max_backoff_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "EncoderClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method, request):
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=self.timeout, metadata=self.metadata)
+            except grpc.RpcError as error:
+                if error.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                pause = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
+                time.sleep(pause * (0.5 + random.random()))  # jittered, capped exponential backoff
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def encode(self, sequences: Sequence, **options) -> EncodeOutput:
+        return parse_response(self._call(self.stub.Encode, build_request(sequences, **options)))
+
+    def embed(self, texts: Sequence[str], *, truncate: bool = False, **options) -> EncodeOutput:
+        """Embeds `texts` in one request (the server tokenizes); `truncate` cuts over-long texts."""
+        request = build_request((), texts=[texts] if isinstance(texts, str) else list(texts), truncate=truncate,
+                                **options)
+        return parse_response(self._call(self.stub.Encode, request))
+
+    def model_info(self) -> "pb.ModelInfo":
+        return self._call(self.stub.GetModelInfo, pb.GetModelInfoRequest())
+
+    def reload_model(self, export_dir: str = "", graph: str = ""):
+        """encoder.v1.AdminService/ReloadModel (server started with --admin); not retried."""
+        from serve._proto.encoder.v1 import admin_pb2, admin_pb2_grpc
+
+        stub = admin_pb2_grpc.AdminServiceStub(self.channel)
+        return stub.ReloadModel(admin_pb2.ReloadModelRequest(export_dir=export_dir, graph=graph),
+                                timeout=self.timeout, metadata=self.metadata)
+
+    def health(self, service: str = "") -> str:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout,
+                              metadata=self.metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve.client")
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE, with backoff")
+    parser.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    parser.add_argument("--tls-ca", help="PEM CA bundle to verify the server (implies TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mTLS); with --tls-key")
+    parser.add_argument("--tls-key", help="PEM client private key (mTLS)")
+    parser.add_argument("--token", help='bearer token; prefer --token "$ENCODER_AUTH_TOKEN" from a secret')
+    sub = parser.add_subparsers(dest="command", required=True)
+    enc = sub.add_parser("encode", help="encode token ids and print a summary")
+    enc.add_argument("--ids", action="append", required=True, help="comma-separated token ids; repeat per sequence")
+    enc.add_argument("--mask", default="bidirectional", help=", ".join(k.label for k in MaskKind))
+    enc.add_argument("--causal", action="store_true")
+    enc.add_argument("--window", type=int, default=0)
+    enc.add_argument("--step", type=int, default=0)
+    enc.add_argument("--pooling", choices=["default", "none", "mean", "first"], default="default")
+    enc.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+    enc.add_argument("--hidden", action="store_true", help="also return per-token hidden states")
+    sub.add_parser("info", help="print the served model")
+    sub.add_parser("health", help="print the health status")
+    from serve import embed  # the `embed` command (texts -> sentence embeddings)
+
+    embed.add_parser(sub)
+    reload = sub.add_parser("reload", help="swap in a new export directory without downtime (server --admin)")
+    reload.add_argument("--export-dir", default="", help="default: re-read the one being served")
+    reload.add_argument("--graph", default="")
+    args = parser.parse_args(argv)
+    with EncoderClient(args.target, timeout=args.timeout, retries=args.retries, tls=args.tls, tls_ca=args.tls_ca,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token) as client:
+        try:
+            if args.command == "info":
+                print(client.model_info())
+            elif args.command == "health":
+                print(client.health())
+            elif args.command == "embed":
+                return embed.run(client, args)
+            elif args.command == "reload":
+                print(client.reload_model(args.export_dir, args.graph))
+            else:
+                sequences = [[int(x) for x in ids.split(",") if x.strip()] for ids in args.ids]
+                out = client.encode(sequences, mask=args.mask, causal=args.causal, window=args.window,
+                                    step=args.step, pooling=args.pooling, normalize=args.normalize,
+                                    hidden_states=args.hidden)
+                m = out.metadata
+                print(f"model={m.model_name} sha256={m.model_sha256[:12]} provider={m.execution_provider} "
+                      f"batch_size={m.batch_size} queue_ms={m.timings.queue_ms:.2f} "
+                      f"inference_ms={m.timings.inference_ms:.2f} total_ms={m.timings.total_ms:.2f}")
+                for i, seq in enumerate(sequences):
+                    parts = [f"sequence[{i}] length={len(seq)}"]
+                    if out.embeddings is not None:
+                        e = out.embeddings[i]
+                        parts.append(f"embedding[{e.shape[0]}] norm={np.linalg.norm(e):.4f} head={[round(float(x), 4) for x in e[:4]]}")
+                    if out.hidden_states is not None:
+                        parts.append(f"hidden_states{list(out.hidden_states[i].shape)}")
+                    print(" ".join(parts))
+        except grpc.RpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""ServerConfig: every server setting, from defaults < environment (ENCODER_*) < command-line flags.
+
+This is the one place that reads the environment. Each field `foo_bar` is the flag `--foo-bar`
+and the variable `ENCODER_FOO_BAR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+DEVICES = ("cpu", "cuda", "auto")
+ENV_PREFIX = "ENCODER_"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # containers set 0.0.0.0
+    port: int = 50051  # 0: let the OS choose (see port_file)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
+    port_file: str = ""  # when set, the bound ports are written here as JSON once listening
+    export_dir: str = "exports/default"
+    graph: str = "fp32"  # which metadata.json "graphs" entry to serve
+    device: str = "cpu"  # cpu | cuda | auto
+    cuda_device_id: int = 0
+    intra_op_threads: int = 0  # 0: onnxruntime's default
+    max_batch_size: int = 32  # rows per session.run
+    max_batch_tokens: int = 16384  # rows x padded length per session.run
+    max_queue_delay_ms: float = 2.0  # how long the first queued request waits for company
+    max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
+    max_sequences_per_request: int = 32
+    max_request_bytes: int = 16 * 1024 * 1024
+    workers: int = 32  # gRPC handler threads
+    grace_s: float = 30.0  # drain budget on SIGTERM
+    warmup: bool = True
+    log_level: str = "info"
+    # --- security (serve/security.py, docs/reliability.md) ---
+    tls_cert: str = ""  # PEM server certificate chain; with tls_key: serve TLS instead of plaintext
+    tls_key: str = ""  # PEM private key for tls_cert
+    tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
+    auth_token: str = dataclasses.field(default="", repr=False)  # when set, every RPC but grpc.health.v1 needs `authorization: Bearer <token>`
+    max_request_tokens: int = 0  # sequences x longest length per request; 0: max_batch_tokens
+    # --- operations (serve/reload.py, serve/faults.py) ---
+    admin: bool = False  # serve encoder.v1.AdminService (ReloadModel); SIGHUP reloads regardless
+    fault_inject: str = ""  # TESTS ONLY, e.g. "poison_token=99" (serve/faults.py); empty: off
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",
+                     "max_request_bytes", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_sequences_per_request > self.max_batch_size:
+            raise ValueError(
+                f"max_sequences_per_request={self.max_sequences_per_request} exceeds "
+                f"max_batch_size={self.max_batch_size}: a request must fit in one batch"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_queue_delay_ms < 0 or self.grace_s < 0:
+            raise ValueError("max_queue_delay_ms and grace_s must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both to serve TLS, or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key: client certificates need TLS")
+        if self.max_request_tokens < 0:
+            raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _converter(field: dataclasses.Field):
+    return {"bool": _parse_bool, "int": int, "float": float}.get(str(field.type), str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m serve", description="gRPC encoder service on ONNX Runtime")
+    for field in dataclasses.fields(ServerConfig):
+        flag = "--" + field.name.replace("_", "-")
+        extra = {"choices": DEVICES} if field.name == "device" else {}
+        parser.add_argument(flag, dest=field.name, type=_converter(field), default=None,
+                            help=f"default {field.default!r}; env {ENV_PREFIX}{field.name.upper()}", **extra)
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """defaults < ENCODER_* environment < flags. Bad values raise ValueError naming the source."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(ServerConfig):
+        key = ENV_PREFIX + field.name.upper()
+        if key in environ:
+            try:
+                values[field.name] = _converter(field)(environ[key])
+            except ValueError as error:
+                raise ValueError(f"{key}={environ[key]!r}: {error}") from None
+    args = build_parser().parse_args(argv)
+    values.update({k: v for k, v in vars(args).items() if v is not None})
+    return ServerConfig(**values)

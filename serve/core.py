@@ -1,0 +1,172 @@
+"""Our own request and result types, and request validation against the model and the limits.
+
+The servicer converts protobuf into these; the batcher runs them. No gRPC, no protobuf here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
+from serve.errors import ValidationError
+
+POOLINGS = ("none", "mean", "first")
+
+
+@dataclass(frozen=True)
+class MaskChoice:
+    kind: MaskKind = MaskKind.BIDIRECTIONAL
+    causal: bool = False
+    window: int = 0
+    step: int = 1
+    custom: np.ndarray | None = None  # bool [T, T] or [B, T, T]
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    sequences: tuple[np.ndarray, ...]  # int64/int32 [T] token ids, or float32 [T, d_model] features
+    mask: MaskChoice = field(default_factory=MaskChoice)
+    hidden_states: bool = False
+    pooling: str = "mean"  # none | mean | first
+    normalize: bool = False
+    request_id: str = ""
+    texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/text.py)
+    truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence of a request, as the batcher pads it into a batch."""
+
+    inputs: np.ndarray  # int64 [T] or float32 [T, D]
+    kind: int
+    causal: bool
+    window: int
+    step: int
+    custom: np.ndarray | None  # bool [T, T] for custom rows
+
+    @property
+    def length(self) -> int:
+        return int(self.inputs.shape[0])
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    hidden_states: np.ndarray | None  # float32 [T, D]
+    embedding: np.ndarray | None  # float32 [D]
+
+
+@dataclass(frozen=True)
+class EncodeResult:
+    request_id: str
+    outputs: tuple[SequenceOutput, ...]
+    queue_s: float
+    inference_s: float
+    batch_size: int
+    batch_length: int
+    execution_provider: str
+    token_counts: tuple[int, ...] = ()  # tokens each sequence ran with (its row length)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sequences_per_request: int
+    max_sequence_length: int
+    max_request_tokens: int = 0  # sequences x longest length (the padded work); 0: no limit
+
+
+def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tuple[Row, ...]:
+    """Validates `request`; ValidationError names the field and the limit it broke."""
+    n = len(request.sequences)
+    if n == 0:
+        raise ValidationError("sequences: empty request; send at least one sequence")
+    if n > limits.max_sequences_per_request:
+        raise ValidationError(
+            f"sequences: {n} sequences exceed max_sequences_per_request={limits.max_sequences_per_request}"
+        )
+    max_len = min(limits.max_sequence_length, config.max_positions)
+    inputs = [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)]
+    padded = n * max(len(x) for x in inputs)
+    if limits.max_request_tokens and padded > limits.max_request_tokens:
+        raise ValidationError(
+            f"sequences: {n} sequences padded to length {padded // n} are {padded} tokens, "
+            f"over max_request_tokens={limits.max_request_tokens}; split the request"
+        )
+    mask = request.mask
+    customs = _check_mask(mask, [len(x) for x in inputs], max_len)
+    return tuple(
+        Row(x, int(mask.kind), bool(mask.causal), int(mask.window), int(mask.step) if mask.step else 1, c)
+        for x, c in zip(inputs, customs)
+    )
+
+
+def _check_sequence(index: int, seq: np.ndarray, config: EncoderConfig, max_len: int) -> np.ndarray:
+    name = f"sequences[{index}]"
+    if config.input_kind == "tokens":
+        if seq.dtype.kind not in "iu" or seq.ndim != 1:
+            raise ValidationError(
+                f"{name}: token ids must be INT64 or INT32 of shape [T], got {seq.dtype} {list(seq.shape)}"
+            )
+    else:
+        if seq.dtype != np.float32 or seq.ndim != 2 or seq.shape[1] != config.d_model:
+            raise ValidationError(
+                f"{name}: this model takes raw features FLOAT32 [T, {config.d_model}], "
+                f"got {seq.dtype} {list(seq.shape)}"
+            )
+    length = seq.shape[0]
+    if length == 0:
+        raise ValidationError(f"{name}: empty sequence; send at least one token")
+    if length > max_len:
+        raise ValidationError(f"{name}: length {length} exceeds max_sequence_length={max_len}")
+    if config.input_kind == "tokens":
+        low, high = int(seq.min()), int(seq.max())
+        if low < 0 or high >= config.vocab_size:
+            bad = low if low < 0 else high
+            raise ValidationError(f"{name}: token id {bad} out of range [0, {config.vocab_size})")
+        return seq.astype(np.int64, copy=False)
+    if not np.isfinite(seq).all():
+        raise ValidationError(f"{name}: features contain NaN or infinity")
+    return seq
+
+
+def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.ndarray | None]:
+    kind = mask.kind
+    if mask.causal and not kind.takes_causal_flag and kind != MaskKind.CAUSAL:
+        raise ValidationError(
+            f"mask.causal: the causal flag combines with sliding_window, dilated or local_strided, "
+            f"not {kind.label} (use kind=causal)"
+        )
+    if kind.uses_window and not 0 <= mask.window <= max_len:
+        raise ValidationError(f"mask.window: {mask.window} out of range [0, {max_len}] for {kind.label}")
+    if kind.uses_step and not 1 <= mask.step <= max_len:
+        raise ValidationError(f"mask.step: {mask.step} out of range [1, {max_len}] for {kind.label}")
+    if kind != MaskKind.CUSTOM:
+        if mask.custom is not None:
+            raise ValidationError(f"mask.custom: only used with kind=custom, not {kind.label}")
+        return [None] * len(lengths)
+    custom = mask.custom
+    if custom is None:
+        raise ValidationError("mask.custom: kind=custom needs a BOOL [T, T] or [B, T, T] tensor")
+    if custom.dtype != np.bool_:
+        raise ValidationError(f"mask.custom: dtype must be BOOL, got {custom.dtype}")
+    n = len(lengths)
+    if custom.ndim == 2:
+        matrices = [custom] * n
+    elif custom.ndim == 3:
+        if custom.shape[0] != n:
+            raise ValidationError(
+                f"mask.custom: shape {list(custom.shape)} has {custom.shape[0]} matrices for {n} sequences"
+            )
+        matrices = list(custom)
+    else:
+        raise ValidationError(f"mask.custom: shape {list(custom.shape)} must be [T, T] or [B, T, T]")
+    for i, (m, length) in enumerate(zip(matrices, lengths)):
+        if m.shape != (length, length):
+            raise ValidationError(
+                f"mask.custom: shape {list(custom.shape)} does not match sequences[{i}] of length {length} "
+                f"(needs [{length}, {length}])"
+            )
+    return matrices

@@ -1,0 +1,120 @@
+"""The core between the servicer and the backend: validate, admit (batcher), wait, describe.
+
+It knows our request types only; the servicer owns protobuf. One Engine per loaded model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from model.config import to_json
+from model.mask_kinds import MaskKind
+from serve.backend import Backend
+from serve.batcher import Batcher, Ticket
+from serve.config import ServerConfig
+from serve.core import EncodeRequest, EncodeResult, Limits, to_rows
+from serve.errors import DeadlineExceeded, ValidationError
+from serve.export_dir import ExportDir
+from serve.text import TextTokenizer
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    name: str
+    version: str
+    sha256: str
+    config_json: str
+    opset: int
+    inputs: tuple[dict, ...]
+    outputs: tuple[dict, ...]
+    mask_kinds: tuple[str, ...]
+    limits: dict
+    providers: tuple[str, ...]
+    available_providers: tuple[str, ...]
+    input_kind: str
+    d_model: int
+    vocab_size: int
+    has_tokenizer: bool
+    default_pooling: str
+    default_normalize: bool
+
+
+class Engine:
+    def __init__(self, export: ExportDir, backend: Backend, batcher: Batcher, server: ServerConfig) -> None:
+        self.export = export
+        self.backend = backend
+        self.batcher = batcher
+        self.server = server
+        self.limits = Limits(
+            max_sequences_per_request=server.max_sequences_per_request,
+            max_sequence_length=export.config.max_positions,
+            max_request_tokens=server.max_request_tokens or server.max_batch_tokens,
+        )
+        self.text = TextTokenizer.from_export(export)  # None without one; ExportError on a bad one
+
+    def submit(self, request: EncodeRequest, deadline: float | None = None) -> Ticket:
+        """Validates and admits; raises ValidationError / Overloaded / Unavailable."""
+        if request.texts:
+            request = self._tokenize(request)
+        rows = to_rows(request, self.export.config, self.limits)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded("deadline expired before the request was admitted")
+        return self.batcher.submit(request, rows, deadline)
+
+    def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
+        """The request with its texts tokenized into `sequences` (rows like any token ids)."""
+        if request.sequences:
+            raise ValidationError("texts: send either texts or sequences, not both")
+        if self.text is None:
+            raise ValidationError("texts: model has no tokenizer; send token ids in `sequences`")
+        n = len(request.texts)
+        if n > self.limits.max_sequences_per_request:
+            raise ValidationError(
+                f"texts: {n} texts exceed max_sequences_per_request={self.limits.max_sequences_per_request}"
+            )
+        return dataclasses.replace(request, sequences=self.text.encode(request.texts, truncate=request.truncate))
+
+    def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return ticket.wait(timeout)
+        except DeadlineExceeded:
+            ticket.cancel()
+            raise
+
+    def encode(self, request: EncodeRequest, deadline: float | None = None) -> EncodeResult:
+        return self.wait(self.submit(request, deadline), deadline)
+
+    def describe(self) -> ModelDescription:
+        meta, config, s = self.export.metadata, self.export.config, self.server
+        return ModelDescription(
+            name=self.export.name,
+            version=self.export.version,
+            sha256=self.export.sha256,
+            config_json=to_json(config),
+            opset=self.export.opset,
+            inputs=tuple(meta.get("inputs", ())),
+            outputs=tuple(meta.get("outputs", ())),
+            mask_kinds=tuple(k.label for k in MaskKind),
+            limits={
+                "max_sequences_per_request": s.max_sequences_per_request,
+                "max_sequence_length": config.max_positions,
+                "max_batch_size": s.max_batch_size,
+                "max_batch_tokens": s.max_batch_tokens,
+                "max_queue_delay_ms": s.max_queue_delay_ms,
+                "max_queue_size": s.max_queue_size,
+                "max_request_bytes": s.max_request_bytes,
+                "max_request_tokens": self.limits.max_request_tokens,
+                "max_text_tokens": self.text.max_length if self.text else 0,
+            },
+            providers=self.backend.info.providers,
+            available_providers=self.backend.info.available_providers,
+            input_kind=config.input_kind,
+            d_model=config.d_model,
+            vocab_size=config.vocab_size if config.input_kind == "tokens" else 0,
+            has_tokenizer=self.export.has_tokenizer,
+            default_pooling=self.export.default_pooling,
+            default_normalize=self.export.default_normalize,
+        )

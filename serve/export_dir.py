@@ -1,0 +1,105 @@
+"""Reads an export directory (docs/export-format.md): metadata.json, graph hashes, the config.
+
+Refuses what it cannot serve with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.config import ConfigError, EncoderConfig, from_dict
+from model.mask_kinds import MaskKind
+from serve.errors import BackendError
+
+FORMAT = "onnx-encoder-export/1"
+
+
+class ExportError(BackendError):
+    """The export directory is missing, malformed, or does not match its metadata."""
+
+
+@dataclass(frozen=True)
+class ExportDir:
+    path: Path
+    metadata: dict[str, Any]
+    config: EncoderConfig
+    graph: str  # the "graphs" key served
+    graph_path: Path
+    sha256: str
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("name") or self.config.name)
+
+    @property
+    def version(self) -> str:
+        return f"{self.metadata.get('format', FORMAT)}@{self.metadata.get('created', 'unknown')}"
+
+    @property
+    def opset(self) -> int:
+        return int(self.metadata.get("opset", 0))
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return bool(self.metadata.get("tokenizer"))
+
+    @property
+    def default_pooling(self) -> str:
+        """none | mean | first; metadata.json says "cls" for [CLS] pooling (model.checkpoint.pooling_settings)."""
+        mode = str((self.metadata.get("pooling") or {}).get("mode", "mean"))
+        return "first" if mode == "cls" else mode
+
+    @property
+    def default_normalize(self) -> bool:
+        return bool((self.metadata.get("pooling") or {}).get("normalize", False))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True) -> ExportDir:
+    root = Path(path)
+    meta_path = root / "metadata.json"
+    if not meta_path.is_file():
+        raise ExportError(f"{meta_path} not found: run `python -m export` first, or pass --export-dir")
+    try:
+        metadata = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ExportError(f"{meta_path}: not valid JSON ({error})") from None
+    if metadata.get("format") != FORMAT:
+        raise ExportError(f"{meta_path}: format {metadata.get('format')!r}, this server reads {FORMAT!r}")
+    try:
+        config = from_dict(metadata["config"])
+    except (KeyError, ConfigError, TypeError, ValueError) as error:
+        raise ExportError(f"{meta_path}: bad 'config': {error}") from None
+    declared = metadata.get("mask_kinds")
+    ours = {kind.label: int(kind) for kind in MaskKind}
+    if declared is not None and declared != ours:
+        raise ExportError(f"{meta_path}: mask_kinds {declared} differ from this server's {ours}")
+    graphs = metadata.get("graphs") or {}
+    if graph not in graphs:
+        raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(graphs) or 'none'}")
+    entry = graphs[graph]
+    graph_path = root / entry["file"]
+    if not graph_path.is_file():
+        raise ExportError(f"{graph_path} not found (listed in {meta_path} as graph {graph!r})")
+    validation = entry.get("validation") or {}
+    if validation.get("passed") is False:
+        raise ExportError(f"{meta_path}: graph {graph!r} failed validation at export; refusing to serve it")
+    expected = str(entry.get("sha256", ""))
+    actual = file_sha256(graph_path) if verify or not expected else expected
+    if verify and actual != expected:
+        raise ExportError(
+            f"{graph_path}: sha256 {actual} does not match metadata.json ({expected or 'missing'}); "
+            "the graph changed after export — re-run `python -m export`"
+        )
+    return ExportDir(root, metadata, config, graph, graph_path, actual)

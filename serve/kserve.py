@@ -1,0 +1,337 @@
+"""KServe v2 / Open Inference Protocol gRPC service (`inference.GRPCInferenceService`) on the same core.
+
+tritonclient.grpc and KServe clients work unchanged. The servicer converts v2 messages to our own
+EncodeRequest and back, nothing more: validation, admission and batching are the Engine's, and
+errors map to status codes through serve.errors.to_status like the Encode service.
+
+The v2 view of the served export (ModelMetadata says the same):
+  inputs   input_ids       INT64|INT32 [B, T]     (inputs_embeds FP32 [B, T, D] for feature models)
+           attention_mask  INT64|INT32 [B, T]     optional; 1s then 0s per row (right padding),
+                                                  default all ones
+           custom_mask     BOOL [T, T] or [B, T, T]  only with mask_kind=custom
+  outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
+           embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
+  request parameters (all optional): mask_kind (label or int), window, step, causal,
+           pooling ("mean" | "first" | "none"), normalize
+Only the requested outputs are computed (none requested: all of them, as the protocol says).
+
+Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto,
+not in protobuf's default pool: tritonclient registers the same `inference.*` names from Triton's
+grpc_service.proto there, and two files defining one symbol in one pool is a hard import error.
+The wire format, and so the service's method paths, are the same either way.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from model.mask_kinds import MaskKind
+from serve.core import EncodeRequest, EncodeResult, MaskChoice
+from serve.engine import Engine
+from serve.errors import ServeError, ValidationError, to_status
+from serve.metrics import Metrics
+
+SERVICE = "inference.GRPCInferenceService"
+PROTO = Path(__file__).resolve().parent.parent / "protos" / "kserve" / "v2" / "grpc_predict_v2.proto"
+SERVER_NAME = "onnx-encoder-service"
+MODEL_VERSION = "1"  # the one version served; "" (server's choice) also selects it
+PLATFORM = "onnxruntime_onnx"
+OUTPUTS = ("last_hidden_state", "embeddings")
+# v2 datatype <-> little-endian numpy dtype, and the InferTensorContents field for each.
+DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("bool")}
+CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
+                  "BOOL": "bool_contents"}
+POOLINGS = ("mean", "first", "none")
+NO_DEADLINE_S = 365 * 24 * 3600.0
+
+
+def _build_messages() -> dict[str, type]:
+    """Compiles the v2 proto (grpcio-tools, a serve dependency) into a private pool."""
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="kserve-proto-") as tmp:
+        out = Path(tmp) / "descriptor.binpb"
+        include = Path(protoc.__file__).resolve().parent / "_proto"
+        args = ["grpc_tools.protoc", f"-I{PROTO.parents[2]}", f"-I{include}", f"--descriptor_set_out={out}",
+                str(PROTO)]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed for {PROTO}")
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for file in files.file:
+        pool.Add(file)
+    service = pool.FindServiceByName(SERVICE)
+    messages = {}
+    for method in service.methods:
+        for descriptor in (method.input_type, method.output_type):
+            messages[descriptor.name] = message_factory.GetMessageClass(descriptor)
+    messages["InferParameter"] = message_factory.GetMessageClass(pool.FindMessageTypeByName("inference.InferParameter"))
+    return messages
+
+
+M = _build_messages()
+
+
+# -- protobuf -> numpy / our request ----------------------------------------------------------
+
+def _param(params, name: str, default):
+    """The value of request parameter `name` (bool, int or string), or `default`."""
+    if name not in params:
+        return default
+    which = params[name].WhichOneof("parameter_choice")
+    if which is None:
+        return default
+    return getattr(params[name], which)
+
+
+def _int_param(params, name: str, default: int) -> int:
+    value = _param(params, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValidationError(f"parameters.{name}: expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValidationError(f"parameters.{name}: expected an integer, got {value!r}") from None
+
+
+def _bool_param(params, name: str, default: bool) -> bool:
+    value = _param(params, name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValidationError(f"parameters.{name}: expected a boolean, got {value!r}")
+
+
+def _mask_kind(params) -> MaskKind:
+    value = _param(params, "mask_kind", "bidirectional")
+    if isinstance(value, str):
+        try:
+            return MaskKind(int(value)) if value.isdigit() else MaskKind.parse(value)
+        except ValueError as error:
+            raise ValidationError(f"parameters.mask_kind: {error}") from None
+    if isinstance(value, int) and not isinstance(value, bool) and value in MaskKind._value2member_map_:
+        return MaskKind(value)
+    raise ValidationError(f"parameters.mask_kind: unknown value {value!r}; "
+                          f"expected one of {', '.join(k.label for k in MaskKind)}")
+
+
+def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
+    """One v2 input (raw bytes or typed contents) as numpy; ValidationError naming the input."""
+    name = f"inputs[{tensor.name}]"
+    dtype = DATATYPES.get(tensor.datatype)
+    if dtype is None:
+        raise ValidationError(f"{name}.datatype: {tensor.datatype!r} is not supported; use "
+                              f"{', '.join(DATATYPES)}")
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 for d in shape):
+        raise ValidationError(f"{name}.shape: negative dimension in {list(shape)}")
+    count = math.prod(shape)
+    if raw is not None:
+        if len(raw) != count * dtype.itemsize:
+            raise ValidationError(f"{name}: {len(raw)} raw bytes, but shape {list(shape)} of "
+                                  f"{tensor.datatype} needs {count * dtype.itemsize}")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    values = getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype])
+    if len(values) != count:
+        raise ValidationError(f"{name}.contents: {len(values)} values for shape {list(shape)}")
+    return np.asarray(values, dtype=dtype).reshape(shape)
+
+
+def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[int]:
+    if attention is None:
+        return [length] * batch
+    if attention.shape != (batch, length):
+        raise ValidationError(f"inputs[attention_mask].shape: {list(attention.shape)} must equal the "
+                              f"ids' [{batch}, {length}]")
+    lengths = []
+    for row, values in enumerate(attention):
+        n = int(np.count_nonzero(values))
+        if not (np.all(values[:n] == 1) and np.all(values[n:] == 0)):
+            raise ValidationError(f"inputs[attention_mask][{row}]: must be 1s then 0s (right padding)")
+        lengths.append(n)
+    return lengths
+
+
+def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]:
+    """(our request, the outputs to return, the padded length T of the batch)."""
+    if len(msg.raw_input_contents) not in (0, len(msg.inputs)):
+        raise ValidationError(f"raw_input_contents: {len(msg.raw_input_contents)} entries for "
+                              f"{len(msg.inputs)} inputs")
+    raws = list(msg.raw_input_contents) or [None] * len(msg.inputs)
+    tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws)}
+    first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
+    known = {first, "attention_mask", "custom_mask"}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise ValidationError(f"inputs: unknown input(s) {', '.join(unknown)}; this model takes "
+                              f"{', '.join(sorted(known))}")
+    if first not in tensors:
+        raise ValidationError(f"inputs: missing {first}")
+    ids = tensors[first]
+    if ids.ndim < 2 or ids.shape[0] == 0:
+        raise ValidationError(f"inputs[{first}].shape: {list(ids.shape)} must be [B, T{', D' if ids.ndim > 2 else ''}] "
+                              f"with B >= 1")
+    batch, length = int(ids.shape[0]), int(ids.shape[1])
+    lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
+    params = msg.parameters
+    custom = _cut_custom(tensors.get("custom_mask"), lengths)
+    pooling = str(_param(params, "pooling", engine.export.default_pooling))
+    if pooling not in POOLINGS:
+        raise ValidationError(f"parameters.pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
+    requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
+    for name in requested:
+        if name not in OUTPUTS:
+            raise ValidationError(f"outputs: unknown output {name!r}; this model has {', '.join(OUTPUTS)}")
+    if "embeddings" in requested and pooling == "none":
+        raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
+    request = EncodeRequest(
+        sequences=tuple(row[:n] for row, n in zip(ids, lengths)),
+        mask=MaskChoice(_mask_kind(params), _bool_param(params, "causal", False),
+                        _int_param(params, "window", 0), _int_param(params, "step", 1), custom),
+        hidden_states="last_hidden_state" in requested,
+        pooling=pooling if "embeddings" in requested else "none",
+        normalize=_bool_param(params, "normalize", engine.export.default_normalize),
+        request_id=msg.id,
+    )
+    return request, requested, length
+
+
+def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | None:
+    """custom_mask [T, T] or [B, T, T] cut to the rows' length (all rows must share it)."""
+    if custom is None:
+        return None
+    if len(set(lengths)) != 1:
+        raise ValidationError("inputs[custom_mask]: rows of one request must have equal length (no padding) "
+                              "when a custom mask is sent; send other lengths in separate requests")
+    n = lengths[0]
+    if custom.ndim not in (2, 3):
+        raise ValidationError(f"inputs[custom_mask].shape: {list(custom.shape)} must be [T, T] or [B, T, T]")
+    return custom[..., :n, :n]
+
+
+def response_to_v2(result: EncodeResult, requested: list[str], length: int, model_name: str, request_id: str):
+    response = M["ModelInferResponse"](model_name=model_name, model_version=MODEL_VERSION, id=request_id)
+    for name in requested:
+        if name == "last_hidden_state":
+            rows = [o.hidden_states for o in result.outputs]
+            array = np.zeros((len(rows), length, rows[0].shape[-1]), np.float32)
+            for i, hidden in enumerate(rows):
+                array[i, : hidden.shape[0]] = hidden
+        else:
+            array = np.stack([o.embedding for o in result.outputs]).astype(np.float32, copy=False)
+        response.outputs.add(name=name, datatype="FP32", shape=list(array.shape))
+        response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+    return response
+
+
+# -- the servicer -------------------------------------------------------------------------------
+
+class KServeServicer:
+    def __init__(self, engine: Callable[[], Engine], metrics: Metrics | None = None) -> None:
+        self._engine = engine  # raises Unavailable until loaded and while shutting down
+        self._metrics = metrics
+
+    def _ready_engine(self) -> Engine | None:
+        try:
+            return self._engine()
+        except ServeError:
+            return None
+
+    def _model(self, name: str, version: str) -> Engine:
+        engine = self._engine()
+        if name != engine.export.name:
+            raise ValidationError(f"model {name!r} is not served here; this server serves {engine.export.name!r}")
+        if version not in ("", MODEL_VERSION):
+            raise ValidationError(f"model {name!r} has version {MODEL_VERSION!r} only, not {version!r}")
+        return engine
+
+    def _call(self, method: str, context: grpc.ServicerContext, work: Callable[[], object]):
+        received = time.monotonic()
+        try:
+            response = work()
+        except Exception as error:  # mapped in exactly one place: serve.errors.to_status
+            code, message = to_status(error)
+            self._observe(method, code, received)
+            context.abort(code, message)
+        self._observe(method, grpc.StatusCode.OK, received)
+        return response
+
+    def _observe(self, method: str, code: grpc.StatusCode, received: float) -> None:
+        if self._metrics is not None:
+            self._metrics.requests.labels(f"v2.{method}", code.name).inc()
+            self._metrics.total_seconds.labels(f"v2.{method}").observe(time.monotonic() - received)
+
+    def ServerLive(self, request, context):
+        return M["ServerLiveResponse"](live=True)
+
+    def ServerReady(self, request, context):
+        return M["ServerReadyResponse"](ready=self._ready_engine() is not None)
+
+    def ModelReady(self, request, context):
+        engine = self._ready_engine()
+        ready = (engine is not None and request.name == engine.export.name
+                 and request.version in ("", MODEL_VERSION))
+        return M["ModelReadyResponse"](ready=ready)
+
+    def ServerMetadata(self, request, context):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            server_version = version("onnx-encoder-service")
+        except PackageNotFoundError:
+            server_version = "0.1.0"
+        return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version, extensions=["parameters"])
+
+    def ModelMetadata(self, request, context):
+        def work():
+            engine = self._model(request.name, request.version)
+            config = engine.export.config
+            T = M["ModelMetadataResponse"].TensorMetadata
+            if config.input_kind == "tokens":
+                first = T(name="input_ids", datatype="INT64", shape=[-1, -1])
+            else:
+                first = T(name="inputs_embeds", datatype="FP32", shape=[-1, -1, config.d_model])
+            return M["ModelMetadataResponse"](
+                name=engine.export.name, versions=[MODEL_VERSION], platform=PLATFORM,
+                inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
+                        T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1])],
+                outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
+                         T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
+            )
+        return self._call("ModelMetadata", context, work)
+
+    def ModelInfer(self, request, context):
+        def work():
+            engine = self._model(request.model_name, request.model_version)
+            ours, requested, length = request_from_v2(request, engine)
+            remaining = context.time_remaining()  # ~2**63 ns (not None) when the client set no deadline
+            deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+            ticket = engine.submit(ours, deadline)
+            context.add_callback(ticket.cancel)
+            result = engine.wait(ticket, deadline)
+            return response_to_v2(result, requested, length, engine.export.name, request.id)
+        return self._call("ModelInfer", context, work)
+
+
+def add_kserve_to_server(engine: Callable[[], Engine], metrics: Metrics | None, server: grpc.Server) -> None:
+    """Registers `inference.GRPCInferenceService` on `server` (before server.start())."""
+    servicer = KServeServicer(engine, metrics)
+    handlers = {}
+    for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
+        handlers[method] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method),
+            request_deserializer=M[f"{method}Request"].FromString,
+            response_serializer=M[f"{method}Response"].SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,0 +1,50 @@
+"""Prometheus metrics, on their own registry and their own HTTP port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("encoder_requests", "Requests by method and final gRPC status",
+                                ["method", "code"], registry=r)
+        self.sequences = Counter("encoder_sequences", "Sequences encoded", registry=r)
+        self.queue_seconds = Histogram("encoder_queue_seconds", "Admitted -> batch start", buckets=_LATENCY, registry=r)
+        self.inference_seconds = Histogram("encoder_inference_seconds", "session.run of one batch",
+                                           buckets=_LATENCY, registry=r)
+        self.total_seconds = Histogram("encoder_request_seconds", "Request received -> response built",
+                                       ["method"], buckets=_LATENCY, registry=r)
+        self.batch_size = Histogram("encoder_batch_size", "Rows per session.run", buckets=_BATCH, registry=r)
+        self.batch_tokens = Histogram("encoder_batch_tokens", "Rows x padded length per session.run",
+                                      buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
+        self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
+        self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
+        self._http = None
+
+    def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
+                        batch_tokens: int | None = None, inference_s: float | None = None) -> None:
+        if queue_depth is not None:
+            self.queue_depth.set(queue_depth)
+        if batch_size is not None:
+            self.batch_size.observe(batch_size)
+        if batch_tokens is not None:
+            self.batch_tokens.observe(batch_tokens)
+        if inference_s is not None:
+            self.inference_seconds.observe(inference_s)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Starts /metrics; returns the bound port (port 0: the OS chooses)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,202 @@
+"""The gRPC servicer: protobuf <-> our request types, errors -> status. Nothing more.
+
+Every ServeError is mapped to its status by serve.errors.to_status (the one place); anything else
+becomes INTERNAL with its type, never UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from model.mask_kinds import MaskKind
+from serve import logs
+from serve.core import EncodeRequest, EncodeResult, MaskChoice
+from serve.engine import Engine
+from serve.errors import ServeError, ValidationError, to_status
+from serve.metrics import Metrics
+from serve.pb import pb, pb_grpc
+from serve.tensors import from_numpy, to_numpy
+
+log = logging.getLogger("serve.servicer")
+
+_POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first"}
+
+
+def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) -> EncodeRequest:
+    size = msg.ByteSize()
+    if size > max_bytes:
+        raise ValidationError(f"request: {size} bytes exceed max_request_bytes={max_bytes}")
+    sequences = tuple(to_numpy(t, f"sequences[{i}]") for i, t in enumerate(msg.sequences))
+    try:
+        kind = MaskKind(msg.mask.kind)
+    except ValueError:
+        raise ValidationError(f"mask.kind: unknown value {msg.mask.kind}") from None
+    custom = to_numpy(msg.mask.custom, "mask.custom") if msg.mask.HasField("custom") else None
+    pooling = _POOLING.get(msg.output.pooling)
+    if pooling is None:
+        if msg.output.pooling != pb.POOLING_DEFAULT:
+            raise ValidationError(f"output.pooling: unknown value {msg.output.pooling}")
+        pooling = engine.export.default_pooling
+    normalize = msg.output.normalize if msg.output.HasField("normalize") else engine.export.default_normalize
+    return EncodeRequest(
+        sequences=sequences,
+        mask=MaskChoice(kind, bool(msg.mask.causal), int(msg.mask.window), int(msg.mask.step), custom),
+        hidden_states=bool(msg.output.hidden_states),
+        pooling=pooling,
+        normalize=bool(normalize),
+        request_id=msg.request_id,
+        texts=tuple(msg.texts),
+        truncate=bool(msg.truncate),
+    )
+
+
+def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> "pb.EncodeResponse":
+    results = []
+    for out in result.outputs:
+        item = pb.SequenceResult()
+        if out.hidden_states is not None:
+            item.hidden_states.CopyFrom(from_numpy(out.hidden_states))
+        if out.embedding is not None:
+            item.embedding.CopyFrom(from_numpy(out.embedding))
+        results.append(item)
+    return pb.EncodeResponse(
+        request_id=result.request_id,
+        results=results,
+        metadata=pb.ResponseMetadata(
+            model_name=engine.export.name,
+            model_version=engine.export.version,
+            model_sha256=engine.export.sha256,
+            execution_provider=result.execution_provider,
+            timings=pb.Timings(
+                queue_ms=result.queue_s * 1e3,
+                inference_ms=result.inference_s * 1e3,
+                total_ms=(time.monotonic() - received) * 1e3,
+            ),
+            batch_size=result.batch_size,
+            batch_sequence_length=result.batch_length,
+            token_counts=list(result.token_counts),
+            total_tokens=sum(result.token_counts),
+        ),
+    )
+
+
+_NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the client set no deadline
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE_S else time.monotonic() + remaining
+
+
+class EncoderServicer(pb_grpc.EncoderServiceServicer):
+    def __init__(self, engine: Callable[[], Engine], metrics: Metrics, max_request_bytes: int) -> None:
+        self._engine = engine  # raises Unavailable until loaded, and while shutting down
+        self._metrics = metrics
+        self._max_bytes = max_request_bytes
+
+    def _finish(self, method: str, received: float, context: grpc.ServicerContext, error: BaseException | None):
+        code = grpc.StatusCode.OK if error is None else to_status(error)[0]
+        self._metrics.requests.labels(method, code.name).inc()
+        self._metrics.total_seconds.labels(method).observe(time.monotonic() - received)
+        if error is not None:
+            code, message = to_status(error)
+            if not isinstance(error, ServeError):
+                logs.event(log, "unexpected_error", logging.ERROR, method=method, error=message)
+            context.abort(code, message)
+
+    def Encode(self, request, context):
+        received = time.monotonic()
+        try:
+            engine = self._engine()
+            deadline = _deadline(context)
+            ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), deadline)
+            context.add_callback(ticket.cancel)
+            result = engine.wait(ticket, deadline)
+            self._metrics.queue_seconds.observe(result.queue_s)
+            self._metrics.sequences.inc(len(result.outputs))
+            response = response_to_proto(result, engine, received)
+        except Exception as error:  # mapped to a status in _finish
+            self._finish("Encode", received, context, error)
+            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+        self._finish("Encode", received, context, None)
+        return response
+
+    def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
+        received = time.monotonic()
+        try:
+            engine = self._engine()
+        except Exception as error:
+            self._finish("EncodeStream", received, context, error)
+            return
+        deadline = _deadline(context)
+        pending: queue.Queue = queue.Queue()
+        tickets = []
+        context.add_callback(lambda: [t.cancel() for t in list(tickets)])
+
+        def read() -> None:  # admits each request as it arrives, so a stream's requests batch together
+            try:
+                for msg in request_iterator:
+                    started = time.monotonic()
+                    try:
+                        ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
+                        tickets.append(ticket)
+                        pending.put((started, ticket, None, msg.request_id))
+                    except Exception as error:
+                        pending.put((started, None, error, msg.request_id))
+            except Exception:  # the client went away or cancelled; nothing left to answer
+                pass
+            finally:
+                pending.put(None)
+
+        threading.Thread(target=read, name="stream-reader", daemon=True).start()
+        while True:
+            item = pending.get()
+            if item is None:
+                break
+            started, ticket, error, request_id = item
+            if ticket is not None:
+                try:
+                    result = engine.wait(ticket, deadline)
+                    self._metrics.sequences.inc(len(result.outputs))
+                    self._metrics.requests.labels("EncodeStream.item", "OK").inc()
+                    yield pb.EncodeStreamResponse(response=response_to_proto(result, engine, started))
+                    continue
+                except Exception as wait_error:
+                    error = wait_error
+            code, message = to_status(error)
+            self._metrics.requests.labels("EncodeStream.item", code.name).inc()
+            yield pb.EncodeStreamResponse(
+                response=pb.EncodeResponse(request_id=request_id),
+                error=pb.Status(code=code.value[0], message=message),
+            )
+        self._finish("EncodeStream", received, context, None)
+
+    def GetModelInfo(self, request, context):
+        received = time.monotonic()
+        try:
+            d = self._engine().describe()
+            info = pb.ModelInfo(
+                name=d.name, version=d.version, sha256=d.sha256, config_json=d.config_json, opset=d.opset,
+                inputs=[pb.TensorInfo(name=i["name"], dtype=i["dtype"], dims=[str(x) for x in i["dims"]])
+                        for i in d.inputs],
+                outputs=[pb.TensorInfo(name=o["name"], dtype=o["dtype"], dims=[str(x) for x in o["dims"]])
+                         for o in d.outputs],
+                mask_kinds=list(d.mask_kinds),
+                limits=pb.Limits(**d.limits),
+                providers=list(d.providers),
+                available_providers=list(d.available_providers),
+                input_kind=d.input_kind, d_model=d.d_model, vocab_size=d.vocab_size,
+                has_tokenizer=d.has_tokenizer, default_pooling=d.default_pooling,
+                default_normalize=d.default_normalize,
+            )
+        except Exception as error:
+            self._finish("GetModelInfo", received, context, error)
+            raise AssertionError("unreachable")  # pragma: no cover
+        self._finish("GetModelInfo", received, context, None)
+        return info

@@ -1,0 +1,58 @@
+"""Packed little-endian bytes <-> numpy, without extra copies (np.frombuffer views the bytes)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from serve.errors import ValidationError
+from serve.pb import pb
+
+# proto DataType -> little-endian numpy dtype, and back.
+DTYPES: dict[int, np.dtype] = {
+    pb.DATA_TYPE_FLOAT32: np.dtype("<f4"),
+    pb.DATA_TYPE_INT64: np.dtype("<i8"),
+    pb.DATA_TYPE_INT32: np.dtype("<i4"),
+    pb.DATA_TYPE_BOOL: np.dtype("bool"),
+}
+_CODES = {dtype.str if dtype.kind != "b" else "|b1": code for code, dtype in DTYPES.items()}
+
+
+def dtype_name(code: int) -> str:
+    return pb.DataType.Name(code) if code in pb.DataType.values() else f"DataType({code})"
+
+
+def to_numpy(tensor: "pb.Tensor", field: str) -> np.ndarray:
+    """A read-only view of the tensor's bytes; ValidationError naming `field` when inconsistent."""
+    dtype = DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ValidationError(f"{field}.dtype: {dtype_name(tensor.dtype)} is not supported")
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 for d in shape):
+        raise ValidationError(f"{field}.shape: negative dimension in {list(shape)}")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(tensor.data) != expected:
+        raise ValidationError(
+            f"{field}.data: {len(tensor.data)} bytes, but shape {list(shape)} of "
+            f"{dtype_name(tensor.dtype)} needs {expected}"
+        )
+    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:  # numpy would read 2..255 as True
+        raise ValidationError(f"{field}.data: BOOL elements must be bytes 0 or 1")
+    return array
+
+
+def from_numpy(array: np.ndarray) -> "pb.Tensor":
+    """Packs an array (converted to little-endian, C order, only when it is not already)."""
+    array = np.asarray(array)
+    if array.dtype.kind == "b":
+        code = pb.DATA_TYPE_BOOL
+        array = array.astype(bool, copy=False)
+    else:
+        little = array.dtype.newbyteorder("<")
+        code = _CODES.get(little.str)
+        if code is None:
+            raise TypeError(f"cannot send dtype {array.dtype}; use float32, int64, int32 or bool")
+        array = array.astype(little, copy=False)
+    return pb.Tensor(dtype=code, shape=array.shape, data=np.ascontiguousarray(array).tobytes())

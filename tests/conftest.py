@@ -1,0 +1,205 @@
+"""Shared fixtures. Serving fixtures are prefixed `serve_`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- model / export fixtures (lead) ------------------------------------------------------------
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# A small encoder whose max_positions admits the >= 512 lengths the parity tests use.
+TINY = dict(d_model=32, n_heads=4, n_layers=2, d_ff=64, vocab_size=97, max_positions=600)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from model.config import EncoderConfig
+
+    return EncoderConfig(name="tiny", **TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_variants(tiny_config):
+    """Every config variant (one per variant switch) of the tiny encoder."""
+    from model.config import variants
+
+    return variants(tiny_config)
+
+
+# Every value of every variant switch, in 7 exports instead of one per switch (export is the
+# slow part of the suite: ~10 s each). test_parity checks this table covers every value.
+PARITY_CONFIGS = {
+    "default": {},
+    "none-prenorm-gelu": dict(scaling="temperature", temperature=1.0, norm_placement="pre", activation="gelu"),
+    "temperature-learned": dict(scaling="temperature", temperature=4.0, positional="learned"),
+    "cosine-nopos-features": dict(scaling="cosine", temperature=0.1, positional="none", input_kind="features"),
+    "length-prenorm-learned": dict(scaling="length", norm_placement="pre", positional="learned"),
+    "additive-gelu": dict(attention="additive", activation="gelu"),
+    "linear-prenorm": dict(attention="linear", norm_placement="pre"),
+}
+
+
+@pytest.fixture(scope="session")
+def exported_variants(tmp_path_factory, tiny_config):
+    """PARITY_CONFIGS exported once (each validated by the exporter) -> {name: ExportResult}."""
+    from export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("exports")
+    return {name: export_model(tiny_config.replace(name=name, **change), out)
+            for name, change in PARITY_CONFIGS.items()}
+
+
+# --- serving fixtures (prefixed serve_) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def serve_export_dir(tmp_path_factory) -> Path:
+    """A small token model exported once per session by the real exporter (~15 s)."""
+    from export.exporter import export_model
+    from model.config import EncoderConfig
+
+    config = EncoderConfig(name="serve-test", d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                           vocab_size=100, max_positions=128)
+    return Path(export_model(config, tmp_path_factory.mktemp("serve-export")).directory)
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int | None
+    log_path: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def _wait_serving(target: str, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"server at {target} not SERVING after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def serve_start(tmp_path_factory):
+    """Starts `python -m serve` as a subprocess on 127.0.0.1, port 0; returns a ServeProcess once SERVING."""
+    started: list[ServeProcess] = []
+
+    def start(export_dir: Path, *flags: str, wait: bool = True, timeout: float = 60.0) -> ServeProcess:
+        workdir = tmp_path_factory.mktemp("serve-proc")
+        port_file, log_path = workdir / "ports.json", workdir / "server.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
+             "--port", "0", "--metrics-port", "0", "--port-file", str(port_file), *flags],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
+        )
+        end = time.monotonic() + timeout
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            if time.monotonic() > end:
+                proc.kill()
+                raise TimeoutError(f"no port file after {timeout}s:\n{log_path.read_text()}")
+            time.sleep(0.05)
+        ports = json.loads(port_file.read_text())
+        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path)
+        started.append(server)
+        if wait:
+            _wait_serving(server.target, max(1.0, end - time.monotonic()))
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def serve_reference(serve_export_dir):
+    """reference(ids, kind, window=, step=, causal=, custom=) -> (hidden [T, D], mean [D]) from PyTorch."""
+    import numpy as np
+    import torch
+
+    from model.config import from_dict
+    from model.encoder import build_encoder
+    from model.mask_kinds import MaskKind
+    from model.masks import default_mask_inputs
+
+    config = from_dict(json.loads((serve_export_dir / "metadata.json").read_text())["config"])
+    model = build_encoder(config)
+
+    def reference(ids, kind=MaskKind.BIDIRECTIONAL, *, window=0, step=1, causal=False, custom=None):
+        x = torch.as_tensor(np.asarray(ids, np.int64))[None]
+        attention = torch.ones_like(x)
+        custom_t = None if custom is None else torch.as_tensor(np.asarray(custom, bool))
+        masks = default_mask_inputs(attention, kind, window=window, step=step, causal=causal, custom=custom_t)
+        with torch.no_grad():
+            hidden, pooled = model(x, attention, *masks.values())
+        return hidden[0].numpy(), pooled[0].numpy()
+
+    return reference
+
+
+# --- reliability fixtures (tests/test_reliability_*.py, docs/reliability.md) ------------------------
+
+
+@pytest.fixture(scope="session")
+def serve_features_export_dir(tmp_path_factory) -> Path:
+    """A small raw-feature model (input_kind="features", FLOAT32 [T, 16] inputs), exported once (~12 s)."""
+    from export.exporter import export_model
+    from model.config import EncoderConfig
+
+    config = EncoderConfig(name="serve-features", d_model=16, n_heads=2, n_layers=1, d_ff=32,
+                           vocab_size=100, max_positions=64, input_kind="features")
+    return Path(export_model(config, tmp_path_factory.mktemp("serve-features"), long_length=20).directory)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One `reliability:` line with the load/fault/bad-input figures, when those tests ran."""
+    module = sys.modules.get("tests.reliability_common")
+    line = module.summary_line() if module is not None else None
+    if line:
+        terminalreporter.write_sep("-", "reliability figures")
+        terminalreporter.write_line(line)

@@ -1,0 +1,245 @@
+"""End to end: the real `python -m serve` subprocess, called over a real gRPC channel."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from model.mask_kinds import MaskKind
+from serve.client import EncoderClient, build_request
+from serve.pb import pb
+from serve.tensors import from_numpy
+
+ATOL = 1e-4
+MAX_REQUEST_BYTES = 65536
+MAX_SEQUENCES = 8
+LENGTHS = [5, 17, 1, 40]
+
+
+@pytest.fixture(scope="module")
+def server(serve_start, serve_export_dir):
+    process = serve_start(serve_export_dir, "--max-queue-delay-ms", "30", "--max-batch-size", "32",
+                          "--max-sequences-per-request", str(MAX_SEQUENCES),
+                          "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    yield process
+    assert process.terminate() == 0, process.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with EncoderClient(server.target, timeout=30, retries=0) as c:
+        yield c
+
+
+def _ids(length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100, length).astype(np.int64)
+
+
+MASKS = [
+    dict(mask=MaskKind.BIDIRECTIONAL),
+    dict(mask=MaskKind.CAUSAL),
+    dict(mask=MaskKind.SLIDING_WINDOW, window=2),
+    dict(mask=MaskKind.SLIDING_WINDOW, window=3, causal=True),
+    dict(mask=MaskKind.DILATED, step=3),
+    dict(mask=MaskKind.DILATED, step=2, causal=True),
+    dict(mask=MaskKind.LOCAL_STRIDED, window=1, step=4),
+    dict(mask=MaskKind.LOCAL_STRIDED, window=2, step=5, causal=True),
+]
+
+
+def _label(options: dict) -> str:
+    return "-".join(f"{k}={v.label if isinstance(v, MaskKind) else v}" for k, v in options.items())
+
+
+def _ref_kwargs(options: dict) -> dict:
+    return dict(kind=options["mask"], window=options.get("window", 0), step=options.get("step", 1) or 1,
+                causal=options.get("causal", False))
+
+
+@pytest.mark.parametrize("options", MASKS, ids=_label)
+def test_every_mask_kind_over_mixed_lengths_matches_pytorch(client, serve_reference, options):
+    sequences = [_ids(n, seed) for seed, n in enumerate(LENGTHS)]
+    out = client.encode(sequences, hidden_states=True, pooling="mean", **options)
+    assert out.embeddings.shape == (len(LENGTHS), 32) and out.embeddings.dtype == np.float32
+    for seq, hidden, embedding in zip(sequences, out.hidden_states, out.embeddings):
+        ref_hidden, ref_mean = serve_reference(seq, **_ref_kwargs(options))
+        assert hidden.shape == ref_hidden.shape and hidden.dtype == np.float32
+        np.testing.assert_allclose(hidden, ref_hidden, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(embedding, ref_mean, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["TxT", "BxTxT"])
+def test_custom_mask_matches_pytorch(client, serve_reference, per_sequence):
+    length, count = 12, 3
+    rng = np.random.default_rng(7)
+    customs = rng.random((count, length, length)) < 0.4
+    custom = customs if per_sequence else customs[0]
+    sequences = [_ids(length, 10 + i) for i in range(count)]
+    out = client.encode(sequences, mask="custom", custom=custom, hidden_states=True)
+    for i, (seq, hidden) in enumerate(zip(sequences, out.hidden_states)):
+        ref_hidden, ref_mean = serve_reference(seq, MaskKind.CUSTOM, custom=customs[i] if per_sequence else custom)
+        np.testing.assert_allclose(hidden, ref_hidden, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(out.embeddings[i], ref_mean, atol=ATOL, rtol=0)
+
+
+def test_first_token_pooling_with_l2_normalisation(client, serve_reference):
+    seq = _ids(9, 3)
+    out = client.encode([seq], mask="causal", pooling="first", normalize=True)
+    ref_hidden, _ = serve_reference(seq, MaskKind.CAUSAL)
+    expected = ref_hidden[0] / np.linalg.norm(ref_hidden[0])
+    np.testing.assert_allclose(out.embeddings[0], expected, atol=ATOL, rtol=0)
+    assert out.hidden_states is None
+
+
+def test_response_carries_request_id_model_identity_provider_and_timings(client, serve_export_dir):
+    import json
+
+    meta = json.loads((serve_export_dir / "metadata.json").read_text())
+    out = client.encode([[1, 2, 3]], request_id="req-42")
+    m = out.metadata
+    assert out.request_id == "req-42"
+    assert (m.model_name, m.model_sha256) == ("serve-test", meta["graphs"]["fp32"]["sha256"])
+    assert m.execution_provider == "CPUExecutionProvider"
+    assert m.batch_size >= 1 and m.timings.total_ms >= m.timings.inference_ms > 0
+
+
+def _batch_size_histogram(server) -> tuple[float, float]:
+    text = server.metrics()
+    count = float(re.search(r"^encoder_batch_size_count (\S+)", text, re.M).group(1))
+    ones = float(re.search(r'^encoder_batch_size_bucket\{le="1.0"\} (\S+)', text, re.M).group(1))
+    return count, ones
+
+
+def test_concurrent_mixed_mask_requests_are_batched_and_match_single_requests(client, server):
+    options = MASKS * 2
+    sequences = [_ids(3 + 5 * i, 100 + i) for i in range(len(options))]
+    alone = [client.encode([seq], hidden_states=True, **opt) for seq, opt in zip(sequences, options)]
+    count_before, ones_before = _batch_size_histogram(server)
+
+    barrier = threading.Barrier(len(options))
+    together: list = [None] * len(options)
+
+    def call(i: int) -> None:
+        barrier.wait()
+        together[i] = client.encode([sequences[i]], hidden_states=True, **options[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(options))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    count_after, ones_after = _batch_size_histogram(server)
+    # Every request was one sequence, so fewer batches than requests means they shared session.runs.
+    assert count_after - count_before < len(options)
+    assert (count_after - count_before) - (ones_after - ones_before) >= 1  # some batch had >1 row
+    assert max(out.metadata.batch_size for out in together) > 1
+    for single, batched in zip(alone, together):
+        np.testing.assert_allclose(batched.hidden_states[0], single.hidden_states[0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batched.embeddings, single.embeddings, atol=1e-5, rtol=0)
+
+
+def _raw(**fields) -> pb.EncodeRequest:
+    return pb.EncodeRequest(**fields)
+
+
+def _ids_tensor(ids, dtype=np.int64) -> pb.Tensor:
+    return from_numpy(np.asarray(ids, dtype))
+
+
+BAD_REQUESTS = {
+    "empty": (lambda: _raw(), "sequences"),
+    "wrong_dtype": (lambda: _raw(sequences=[_ids_tensor([1, 2], np.float32)]), "sequences[0]"),
+    "bytes_vs_shape": (lambda: _raw(sequences=[pb.Tensor(dtype=pb.DATA_TYPE_INT64, shape=[4], data=b"\0" * 24)]),
+                       "sequences[0].data"),
+    "empty_sequence": (lambda: _raw(sequences=[_ids_tensor(np.zeros(0))]), "sequences[0]"),
+    "token_out_of_range": (lambda: _raw(sequences=[_ids_tensor([1, 100])]), "out of range [0, 100)"),
+    "negative_token": (lambda: _raw(sequences=[_ids_tensor([1, 2]), _ids_tensor([-1])]), "sequences[1]"),
+    "too_long": (lambda: _raw(sequences=[_ids_tensor(np.ones(129))]), "max_sequence_length=128"),
+    "too_many_sequences": (lambda: _raw(sequences=[_ids_tensor([1])] * (MAX_SEQUENCES + 1)),
+                           f"max_sequences_per_request={MAX_SEQUENCES}"),
+    "window_out_of_range": (lambda: build_request([[1, 2]], mask="sliding_window", window=1000), "mask.window"),
+    "step_zero": (lambda: build_request([[1, 2]], mask="dilated", step=0), "mask.step"),
+    "step_out_of_range": (lambda: build_request([[1, 2]], mask="local_strided", step=500), "mask.step"),
+    "unknown_mask_kind": (lambda: _raw(sequences=[_ids_tensor([1])], mask=pb.Mask(kind=42)), "mask.kind"),
+    "causal_flag_with_bidirectional": (lambda: build_request([[1, 2]], causal=True), "mask.causal"),
+    "custom_wrong_shape": (lambda: build_request([[1, 2, 3]], mask="custom", custom=np.ones((2, 2), bool)),
+                           "mask.custom"),
+    "custom_wrong_count": (lambda: build_request([[1, 2], [3, 4]], mask="custom", custom=np.ones((3, 2, 2), bool)),
+                           "mask.custom"),
+    "custom_missing": (lambda: build_request([[1, 2]], mask="custom"), "mask.custom"),
+    "custom_without_custom_kind": (lambda: build_request([[1, 2]], mask="causal", custom=np.ones((2, 2), bool)),
+                                   "mask.custom"),
+    "oversized_message": (lambda: build_request([[1] * 128], mask="custom", custom=np.ones((300, 300), bool)),
+                          f"max_request_bytes={MAX_REQUEST_BYTES}"),
+    "texts_without_tokenizer": (lambda: _raw(texts=["hello world"]), "model has no tokenizer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_naming_the_field(server, client, serve_reference, name):
+    make, expected = BAD_REQUESTS[name]
+    with pytest.raises(grpc.RpcError) as caught:
+        client.stub.Encode(make(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert expected in caught.value.details()
+    # ... and the server stays healthy and correct afterwards.
+    seq = _ids(6, 1)
+    out = client.encode([seq])
+    np.testing.assert_allclose(out.embeddings[0], serve_reference(seq)[1], atol=ATOL, rtol=0)
+    assert client.health() == "SERVING"
+
+
+def test_stream_answers_each_request_in_order_and_reports_errors_per_item(client, serve_reference):
+    requests = [build_request([_ids(4 + i, i)], request_id=f"r{i}") for i in range(5)]
+    requests[2] = _raw(request_id="r2", sequences=[_ids_tensor([999])])
+    responses = list(client.stub.EncodeStream(iter(requests), timeout=30))
+    assert [r.response.request_id for r in responses] == [f"r{i}" for i in range(5)]
+    assert responses[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "sequences[0]" in responses[2].error.message
+    for i in (0, 1, 3, 4):
+        assert responses[i].error.code == 0
+        embedding = np.frombuffer(responses[i].response.results[0].embedding.data, np.float32)
+        np.testing.assert_allclose(embedding, serve_reference(_ids(4 + i, i))[1], atol=ATOL, rtol=0)
+
+
+def test_model_info_describes_config_graph_masks_limits_and_providers(client):
+    info = client.model_info()
+    assert info.name == "serve-test" and info.opset == 18 and info.input_kind == "tokens"
+    assert info.d_model == 32 and info.vocab_size == 100 and not info.has_tokenizer
+    assert [i.name for i in info.inputs][:2] == ["input_ids", "attention_mask"]
+    assert {o.name for o in info.outputs} == {"last_hidden_state", "mean_pooled"}
+    assert list(info.mask_kinds) == [k.label for k in MaskKind]
+    assert info.limits.max_sequence_length == 128 and info.limits.max_sequences_per_request == MAX_SEQUENCES
+    assert list(info.providers) == ["CPUExecutionProvider"]
+    assert '"d_model": 32' in info.config_json
+
+
+def test_health_reports_serving_for_the_server_and_the_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "encoder.v1.EncoderService"):
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_encoder_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"encoder.v1.EncoderService", "grpc.health.v1.Health"} <= names
+
+
+def test_metrics_count_requests_by_method_and_status(server, client):
+    client.encode([[1, 2]])
+    text = server.metrics()
+    assert re.search(r'^encoder_requests_total\{code="OK",method="Encode"\} [1-9]', text, re.M)
+    assert "encoder_queue_depth" in text and "encoder_inference_seconds_bucket" in text

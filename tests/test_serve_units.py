@@ -1,0 +1,257 @@
+"""Serving layers in isolation: tensors, config, errors, export directory, batcher, generated code."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
+from serve import errors, protogen
+from serve.backend import BackendInfo
+from serve.batcher import Batcher
+from serve.config import ServerConfig, load_config
+from serve.core import EncodeRequest, Limits, MaskChoice, to_rows
+from serve.export_dir import ExportError, load_export
+from serve.pb import pb
+from serve.tensors import from_numpy, to_numpy
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = EncoderConfig(d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=50, max_positions=32)
+
+
+# --- tensors -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("array", [np.arange(6, dtype=np.int64).reshape(2, 3), np.float32([[1.5, -2.0]]),
+                                   np.array([True, False]), np.int32([7])], ids=str)
+def test_tensor_round_trip_keeps_dtype_shape_and_values(array):
+    back = to_numpy(from_numpy(array), "t")
+    assert back.dtype == array.dtype.newbyteorder("<") and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+
+
+def test_tensor_decoding_views_the_message_bytes_without_copying():
+    message = from_numpy(np.arange(1000, dtype=np.float32))
+    array = to_numpy(message, "t")
+    assert not array.flags.owndata and not array.flags.writeable
+
+
+def test_tensor_big_endian_input_is_sent_little_endian():
+    big = np.arange(3, dtype=">i8")
+    assert to_numpy(from_numpy(big), "t").tolist() == [0, 1, 2]
+
+
+def test_tensor_bytes_that_disagree_with_the_shape_name_the_field():
+    bad = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=[2, 2], data=b"\0" * 12)
+    with pytest.raises(errors.ValidationError, match=r"x\.data: 12 bytes, but shape \[2, 2\]"):
+        to_numpy(bad, "x")
+
+
+# --- config ------------------------------------------------------------------------------------
+def test_config_flags_override_environment_which_overrides_defaults():
+    env = {"ENCODER_PORT": "6000", "ENCODER_HOST": "0.0.0.0", "ENCODER_WARMUP": "false"}
+    config = load_config(["--port", "7000"], env)
+    assert (config.port, config.host, config.warmup) == (7000, "0.0.0.0", False)
+    assert load_config([], {}) == ServerConfig()
+    assert ServerConfig().host == "127.0.0.1" and ServerConfig().port == 50051
+
+
+def test_config_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match="ENCODER_PORT"):
+        load_config([], {"ENCODER_PORT": "http"})
+
+
+# --- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("error, code", [
+    (errors.ValidationError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.Unsupported("x"), grpc.StatusCode.UNIMPLEMENTED),
+    (errors.Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable("x"), grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.BackendError("x"), grpc.StatusCode.INTERNAL),
+    (KeyError("k"), grpc.StatusCode.INTERNAL),
+], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name)
+def test_errors_map_to_one_grpc_status_each_and_never_unknown(error, code):
+    assert errors.to_status(error)[0] == code
+
+
+# --- validation --------------------------------------------------------------------------------
+def test_rows_carry_their_own_mask_choice():
+    request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])),
+                            MaskChoice(MaskKind.LOCAL_STRIDED, causal=True, window=1, step=2))
+    rows = to_rows(request, CONFIG, Limits(4, 32))
+    assert [(r.length, r.kind, r.causal, r.window, r.step) for r in rows] == [(3, 4, True, 1, 2), (1, 4, True, 1, 2)]
+    assert rows[1].inputs.dtype == np.int64
+
+
+# --- export directory --------------------------------------------------------------------------
+def test_export_dir_refuses_a_graph_whose_hash_changed(serve_export_dir, tmp_path):
+    copy = tmp_path / "e"
+    shutil.copytree(serve_export_dir, copy)
+    assert load_export(copy).sha256 == json.loads((copy / "metadata.json").read_text())["graphs"]["fp32"]["sha256"]
+    (copy / "model.onnx").write_bytes((copy / "model.onnx").read_bytes() + b"x")
+    with pytest.raises(ExportError, match="sha256 .* does not match metadata.json"):
+        load_export(copy)
+
+
+def test_export_dir_missing_says_to_run_the_exporter(tmp_path):
+    with pytest.raises(ExportError, match="python -m export"):
+        load_export(tmp_path)
+
+
+def test_export_dir_unknown_graph_lists_the_ones_available(serve_export_dir):
+    with pytest.raises(ExportError, match=r"no graph 'int8'.*\['fp32'\]"):
+        load_export(serve_export_dir, "int8")
+
+
+# --- batcher -----------------------------------------------------------------------------------
+class FakeBackend:
+    """Echoes the input ids as hidden states; can block until released."""
+
+    info = BackendInfo(("FakeProvider",), ("FakeProvider",))
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.release.set()
+        self.batches: list[int] = []
+
+    def health(self) -> None:
+        pass
+
+    def encode(self, batch):
+        self.release.wait(10)
+        ids = batch["input_ids"].astype(np.float32)
+        self.batches.append(ids.shape[0])
+        hidden = np.repeat(ids[:, :, None], CONFIG.d_model, axis=2)
+        mask = batch["attention_mask"][:, :, None]
+        return hidden, (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1)
+
+
+def _submit(batcher, ids, deadline=None):
+    request = EncodeRequest((np.int64(ids),), hidden_states=True)
+    return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)), deadline)
+
+
+def _batcher(backend, **overrides):
+    options = dict(max_batch_size=8, max_batch_tokens=1000, max_queue_delay_s=0.05, max_queue_size=4)
+    batcher = Batcher(backend, CONFIG, **{**options, **overrides})
+    batcher.start()
+    return batcher
+
+
+def test_batcher_groups_concurrent_requests_and_unpads_each_result():
+    backend = FakeBackend()
+    batcher = _batcher(backend)
+    tickets = [_submit(batcher, list(range(1, n + 1))) for n in (3, 1, 5)]
+    results = [t.wait(5) for t in tickets]
+    assert backend.batches == [3]
+    for n, result in zip((3, 1, 5), results):
+        assert result.batch_size == 3 and result.batch_length == 5
+        np.testing.assert_array_equal(result.outputs[0].hidden_states[:, 0], np.arange(1, n + 1))
+        assert result.outputs[0].embedding[0] == pytest.approx((n + 1) / 2)
+    batcher.stop(5)
+
+
+def test_batcher_respects_the_token_budget():
+    backend = FakeBackend()
+    batcher = _batcher(backend, max_batch_tokens=10)
+    tickets = [_submit(batcher, [1] * 4) for _ in range(3)]  # 2 rows x 4 fit in 10 tokens, 3 do not
+    for t in tickets:
+        t.wait(5)
+    assert backend.batches == [2, 1]
+    batcher.stop(5)
+
+
+def test_batcher_full_queue_is_overloaded():
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_size=2, max_queue_delay_s=0)
+    first = _submit(batcher, [1])
+    time.sleep(0.1)  # the worker took `first` and blocks in the backend
+    _submit(batcher, [1]), _submit(batcher, [1])
+    with pytest.raises(errors.Overloaded, match="max_queue_size=2"):
+        _submit(batcher, [1])
+    backend.release.set()
+    first.wait(5)
+    batcher.stop(5)
+
+
+def test_batcher_drops_expired_and_cancelled_requests_before_running_them():
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0)
+    blocker = _submit(batcher, [1])
+    time.sleep(0.1)
+    expired = _submit(batcher, [2], deadline=time.monotonic() + 0.01)
+    cancelled = _submit(batcher, [3])
+    cancelled.cancel()
+    kept = _submit(batcher, [4])
+    time.sleep(0.05)
+    backend.release.set()
+    blocker.wait(5)
+    assert kept.wait(5).batch_size == 1
+    with pytest.raises(errors.DeadlineExceeded):
+        expired.wait(5)
+    with pytest.raises(errors.Cancelled):
+        cancelled.wait(5)
+    assert backend.batches == [1, 1]
+    batcher.stop(5)
+
+
+def test_batcher_after_close_refuses_new_work_but_finishes_queued_work():
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0)
+    queued = [_submit(batcher, [i + 1]) for i in range(3)]
+    batcher.close()
+    with pytest.raises(errors.Unavailable, match="shutting down"):
+        _submit(batcher, [1])
+    backend.release.set()
+    assert batcher.drain(5)
+    assert all(t.wait(0).outputs for t in queued)
+    batcher.stop(5)
+
+
+# --- generated code and the torch boundary -----------------------------------------------------
+def test_generated_code_is_current_and_regenerates_identically(tmp_path):
+    protogen.ensure_generated()
+    assert not protogen.is_stale()
+    fresh = tmp_path / "_proto"
+    protogen.generate(fresh)
+    ours = sorted(p.relative_to(protogen.OUT_DIR) for p in protogen.OUT_DIR.rglob("*") if p.is_file()
+                  and "__pycache__" not in p.parts)
+    theirs = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
+    assert ours == theirs
+    mismatch = [str(p) for p in ours if not filecmp.cmp(protogen.OUT_DIR / p, fresh / p, shallow=False)]
+    assert not mismatch
+
+
+def test_serving_never_imports_torch(serve_export_dir):
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+import serve.app, serve.client, serve.servicer, serve.backend, serve.batcher, serve.__main__
+from serve.app import create_server
+from serve.client import EncoderClient
+from serve.config import ServerConfig
+server, port = create_server(ServerConfig(port=0, metrics_port=-1, export_dir={str(serve_export_dir)!r}))
+server.start(); server.load()
+with EncoderClient(f"127.0.0.1:{{port}}", retries=0) as client:
+    assert client.encode([[1, 2, 3]], mask="causal").embeddings.shape == (1, 32)
+server.shutdown(5)
+assert not any(name == "torch" or name.startswith("torch.") for name in sys.modules if sys.modules[name])
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
