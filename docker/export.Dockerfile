@@ -1,0 +1,27 @@
+# The one-shot export job: `python -m export` (torch CPU build) writing into the /exports volume.
+#   docker build -f docker/export.Dockerfile -t onnx-encoder-export .
+# torch==2.13.0+cpu comes from the PyTorch CPU index (build arg TORCH_INDEX), or from wheels dropped
+# into docker/wheels/ for hosts that cannot reach it (pip --find-links; hashes still checked).
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS deps
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY docker/requirements-export.txt /tmp/requirements.txt
+COPY docker/wheels/ /wheels/
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-deps --require-hashes --find-links /wheels \
+      ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r /tmp/requirements.txt
+
+FROM ${PYTHON_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
+RUN groupadd --system --gid 10001 encoder \
+ && useradd --system --uid 10001 --gid encoder --home-dir /app --no-create-home --shell /usr/sbin/nologin encoder \
+ && mkdir -p /app /exports && chown encoder:encoder /exports
+WORKDIR /app
+COPY --from=deps /opt/venv /opt/venv
+COPY model/ /app/model/
+COPY export/ /app/export/
+USER 10001:10001
+ENTRYPOINT ["python", "-m", "export"]
+CMD ["--out-dir", "/exports"]

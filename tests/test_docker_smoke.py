@@ -1,0 +1,228 @@
+"""Docker smoke test: build the CPU serving image, bring `serve-cpu` up with docker-compose, wait for
+gRPC health SERVING, Encode (and KServe v2 ModelInfer) from the host against the PyTorch reference,
+then tear everything down, always.
+
+Needs a Docker engine and docker-compose. Where none runs and we are root with the repo's sibling
+`../shared/tools/local-docker.sh` present (CI), the test starts one with it (first time: ~2 min for
+the engine and the debootstrapped base image). Otherwise it skips, saying why.
+
+The export comes from the host (the session's `serve_export_dir`, made by the real exporter) and is
+copied into the compose project's `exports` volume: the export image (torch) is built and run by
+`test_export_job_writes_the_volume_the_server_reads` only when SMOKE_EXPORT_IMAGE=1, since its
+torch wheel comes from the PyTorch CPU index or docker/wheels/ (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = "/usr/bin/docker"  # another `docker` on PATH may be a bare client
+LOCAL_DOCKER = REPO.parent / "shared" / "tools" / "local-docker.sh"
+REF_ATOL = 1e-4  # the export's fp32 tolerance vs PyTorch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def _run(cmd: list[str], *, env: dict | None = None, timeout: float = 900, check: bool = True,
+         capture: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout,
+                            capture_output=capture, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-4000:]}")
+    return result
+
+
+def _engine_up() -> bool:
+    return Path(DOCKER).exists() and subprocess.run([DOCKER, "info"], capture_output=True).returncode == 0
+
+
+def _compose_bin() -> str | None:
+    return shutil.which("docker-compose")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A running engine + docker-compose + the python:3.11-slim base image, or a skip with the reason."""
+    if not _engine_up() or _compose_bin() is None or \
+            subprocess.run([DOCKER, "image", "inspect", "python:3.11-slim"], capture_output=True).returncode:
+        if not LOCAL_DOCKER.exists():
+            pytest.skip(f"no Docker engine running and no {LOCAL_DOCKER} to start one")
+        if os.geteuid() != 0:
+            pytest.skip("no Docker engine running, and starting one (local-docker.sh) needs root")
+        started = time.monotonic()
+        result = subprocess.run(["bash", str(LOCAL_DOCKER)], capture_output=True, text=True, timeout=1200)
+        if result.returncode != 0 or not _engine_up():
+            pytest.skip(f"could not start a Docker engine with {LOCAL_DOCKER}: {result.stderr[-2000:]}")
+        print(f"local-docker.sh: engine + base image ready in {time.monotonic() - started:.0f} s")
+    return _compose_bin()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Project:
+    """One docker-compose project with a unique name, ports on 127.0.0.1."""
+
+    def __init__(self, compose: str) -> None:
+        self.name = f"encsmoke{uuid.uuid4().hex[:8]}"
+        self.compose = compose
+        self.grpc_port, self.metrics_port = _free_port(), _free_port()
+        self.env = {"COMPOSE_PROJECT_NAME": self.name, "SERVE_BIND": "127.0.0.1",
+                    "SERVE_CPU_GRPC_PORT": str(self.grpc_port), "SERVE_CPU_METRICS_PORT": str(self.metrics_port),
+                    "ENCODER_MODEL": "serve-test", "DOCKER_HOST": os.environ.get("DOCKER_HOST", "")}
+        self.env = {k: v for k, v in self.env.items() if v}
+        self.volume = f"{self.name}_exports"
+
+    def run(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return _run([self.compose, "-p", self.name, "-f", "docker-compose.yml", *args], env=self.env, **kwargs)
+
+    def down(self) -> None:
+        self.run("--profile", "cpu", "--profile", "export", "down", "-v", "--remove-orphans", "-t", "20",
+                 check=False)
+        _run([DOCKER, "volume", "rm", "-f", self.volume], check=False)
+
+
+@pytest.fixture(scope="module")
+def project(engine):
+    project = Project(engine)
+    try:
+        yield project
+    finally:
+        if os.environ.get("SMOKE_KEEP") != "1":
+            project.down()
+
+
+def _image_size(tag: str) -> str:
+    size = int(_run([DOCKER, "image", "inspect", "-f", "{{.Size}}", tag]).stdout.strip())
+    return f"{size / 1e6:.0f} MB"
+
+
+def _wait_healthy(project: Project, container: str, timeout: float = 180) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout
+    last = "no answer"
+    with grpc.insecure_channel(f"127.0.0.1:{project.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < end:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as error:
+                last = error.code().name
+            time.sleep(0.5)
+    logs = _run([DOCKER, "logs", container], check=False).stderr[-4000:]
+    raise AssertionError(f"serve-cpu not SERVING after {timeout}s (last: {last}); logs:\n{logs}")
+
+
+def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export_dir, serve_reference):
+    started = time.monotonic()
+    project.run("--profile", "cpu", "build", "serve-cpu", timeout=1200)
+    build_s = time.monotonic() - started
+    print(f"serve-cpu image built in {build_s:.0f} s; size {_image_size('onnx-encoder-serve:cpu')}")
+
+    # The volume as compose names and labels it, filled from the host export (as the export job would).
+    _run([DOCKER, "volume", "create", "--label", f"com.docker.compose.project={project.name}",
+          "--label", "com.docker.compose.volume=exports", project.volume])
+    _run([DOCKER, "run", "--rm", "--user", "0", "--entrypoint", "sh",
+          "-v", f"{project.volume}:/exports", "-v", f"{serve_export_dir}:/src:ro",
+          "onnx-encoder-serve:cpu", "-c",
+          "cp -r /src /exports/serve-test && chown -R 10001:10001 /exports/serve-test"])
+
+    project.run("--profile", "cpu", "up", "-d", "--no-build", "serve-cpu", timeout=300)
+    container = project.run("--profile", "cpu", "ps", "-q", "serve-cpu").stdout.strip()
+    assert container, "serve-cpu container not created"
+    _wait_healthy(project, container)
+    print(f"SERVING {time.monotonic() - started:.0f} s after the build started")
+
+    # Runs as the unprivileged user, restarts by policy.
+    user, restart = _run([DOCKER, "inspect", "-f", "{{.Config.User}} {{.HostConfig.RestartPolicy.Name}}",
+                          container]).stdout.split()
+    assert user == "10001:10001" and restart == "unless-stopped"
+
+    from model.mask_kinds import MaskKind
+    from serve.client import EncoderClient
+
+    ids = np.array([3, 14, 15, 92, 65, 35, 89, 79], np.int64)
+    with EncoderClient(f"127.0.0.1:{project.grpc_port}") as client:
+        out = client.encode([ids], hidden_states=True)
+        assert out.metadata.execution_provider == "CPUExecutionProvider"
+        hidden, pooled = serve_reference(ids)
+        assert out.hidden_states[0].shape == hidden.shape and out.hidden_states[0].dtype == np.float32
+        np.testing.assert_allclose(out.hidden_states[0], hidden, atol=REF_ATOL, rtol=0)
+        np.testing.assert_allclose(out.embeddings[0], pooled, atol=REF_ATOL, rtol=0)
+        windowed = client.encode([ids], mask="sliding_window", window=2, hidden_states=True)
+        np.testing.assert_allclose(windowed.hidden_states[0],
+                                   serve_reference(ids, MaskKind.SLIDING_WINDOW, window=2)[0], atol=REF_ATOL, rtol=0)
+
+    # The in-image health probe (what the compose healthcheck runs) agrees, and Docker says healthy.
+    probe = _run([DOCKER, "exec", container, "python", "/app/docker/health_probe.py"], check=False)
+    assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stderr
+    end, health = time.monotonic() + 60, ""
+    while time.monotonic() < end and health != "healthy":
+        health = _run([DOCKER, "inspect", "-f", "{{.State.Health.Status}}", container]).stdout.strip()
+        time.sleep(1)
+    assert health == "healthy", f"docker health status {health!r}"
+
+    # The metrics port is published too.
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{project.metrics_port}/metrics", timeout=5) as response:
+        assert "encoder_requests" in response.read().decode()
+
+    # KServe v2 on the same port, when the test client is installed.
+    try:
+        import tritonclient.grpc as grpcclient
+    except ImportError:
+        return
+    client = grpcclient.InferenceServerClient(url=f"127.0.0.1:{project.grpc_port}")
+    inputs = [grpcclient.InferInput("input_ids", [1, len(ids)], "INT64")]
+    inputs[0].set_data_from_numpy(ids[None])
+    result = client.infer("serve-test", inputs)
+    np.testing.assert_allclose(result.as_numpy("embeddings")[0], pooled, atol=REF_ATOL, rtol=0)
+    client.close()
+
+
+@pytest.mark.skipif(os.environ.get("SMOKE_EXPORT_IMAGE") != "1",
+                    reason="set SMOKE_EXPORT_IMAGE=1 to build the export image (torch CPU wheel from the "
+                           "PyTorch CPU index, or TORCH_INDEX= to use docker/wheels/ or /opt/wheels)")
+def test_export_job_writes_the_volume_the_server_reads(project):
+    env = {} if os.environ.get("TORCH_INDEX") is None else {"TORCH_INDEX": os.environ["TORCH_INDEX"]}
+    project.env.update(env)
+    # A machine without the PyTorch CPU index but with the wheel on disk (this one: /opt/wheels) lends
+    # it to the build through docker/wheels/ for the duration of the build only.
+    lent = []
+    for wheel in Path("/opt/wheels").glob("torch-2.13.0+cpu-cp311-*.whl") if env.get("TORCH_INDEX") == "" else ():
+        target = REPO / "docker" / "wheels" / wheel.name
+        if not target.exists():
+            shutil.copyfile(wheel, target)
+            lent.append(target)
+    try:
+        project.run("--profile", "export", "build", "export", timeout=1500)
+    finally:
+        for target in lent:
+            target.unlink()
+    print(f"export image size {_image_size('onnx-encoder-export:latest')}")
+    project.run("--profile", "export", "run", "--rm", "export", "--out-dir", "/exports",
+                "--set", "n_layers=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "d_ff=64",
+                "--name", "smoke-export", timeout=600)
+    listing = _run([DOCKER, "run", "--rm", "--entrypoint", "ls", "-v", f"{project.volume}:/exports:ro",
+                    "onnx-encoder-serve:cpu", "/exports/smoke-export"]).stdout.split()
+    assert {"model.onnx", "metadata.json"} <= set(listing)

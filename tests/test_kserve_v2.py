@@ -1,0 +1,141 @@
+"""The KServe v2 / Open Inference Protocol endpoint, driven by the real tritonclient.grpc client
+against `python -m serve` in a subprocess: same numbers as Encode, mask choice as parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from model.mask_kinds import MaskKind  # noqa: E402
+
+ATOL, RTOL = 1e-5, 1e-5  # same server, same graph: v2 and Encode agree to float noise
+REF_ATOL = 1e-4  # vs PyTorch: the export's fp32 tolerance
+
+
+@pytest.fixture(scope="module")
+def server(serve_start, serve_export_dir):
+    return serve_start(serve_export_dir)
+
+
+@pytest.fixture(scope="module")
+def v2(server):
+    client = grpcclient.InferenceServerClient(url=server.target)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def encoder(server):
+    from serve.client import EncoderClient
+
+    return EncoderClient(server.target)
+
+
+def infer(client, ids: np.ndarray, *, attention=None, custom=None, outputs=("last_hidden_state", "embeddings"),
+          **parameters):
+    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT64")]
+    inputs[0].set_data_from_numpy(ids.astype(np.int64))
+    if attention is not None:
+        inputs.append(grpcclient.InferInput("attention_mask", list(attention.shape), "INT64"))
+        inputs[-1].set_data_from_numpy(attention.astype(np.int64))
+    if custom is not None:
+        inputs.append(grpcclient.InferInput("custom_mask", list(custom.shape), "BOOL"))
+        inputs[-1].set_data_from_numpy(custom)
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs]
+    return client.infer("serve-test", inputs, outputs=requested, parameters=parameters or None)
+
+
+def test_server_and_model_are_live_ready_and_described(v2):
+    assert v2.is_server_live()
+    assert v2.is_server_ready()
+    assert v2.is_model_ready("serve-test")
+    assert not v2.is_model_ready("some-other-model")
+    assert v2.get_server_metadata().name == "onnx-encoder-service"
+    meta = v2.get_model_metadata("serve-test")
+    assert meta.platform == "onnxruntime_onnx" and list(meta.versions) == ["1"]
+    assert [(i.name, i.datatype, list(i.shape)) for i in meta.inputs] == [
+        ("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1]), ("custom_mask", "BOOL", [-1, -1, -1])]
+    assert [(o.name, list(o.shape)) for o in meta.outputs] == [
+        ("last_hidden_state", [-1, -1, 32]), ("embeddings", [-1, 32])]
+
+
+def test_model_infer_equals_encode_and_pytorch(v2, encoder, serve_reference):
+    ids = np.array([[5, 17, 3, 99, 42, 7]], np.int64)
+    result = infer(v2, ids)
+    hidden, pooled = result.as_numpy("last_hidden_state"), result.as_numpy("embeddings")
+    assert hidden.shape == (1, 6, 32) and hidden.dtype == np.float32
+    assert pooled.shape == (1, 32) and pooled.dtype == np.float32
+    out = encoder.encode([ids[0]], hidden_states=True)
+    np.testing.assert_allclose(hidden[0], out.hidden_states[0], atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(pooled, out.embeddings, atol=ATOL, rtol=RTOL)
+    ref_hidden, ref_pooled = serve_reference(ids[0])
+    np.testing.assert_allclose(hidden[0], ref_hidden, atol=REF_ATOL, rtol=0)
+    np.testing.assert_allclose(pooled[0], ref_pooled, atol=REF_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind,params", [
+    (MaskKind.CAUSAL, {}),
+    (MaskKind.SLIDING_WINDOW, {"window": 2, "causal": True}),
+    (MaskKind.DILATED, {"step": 3}),
+    (MaskKind.LOCAL_STRIDED, {"window": 1, "step": 4}),
+])
+def test_mask_choice_travels_as_request_parameters(v2, encoder, kind, params):
+    ids = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9]], np.int64)
+    result = infer(v2, ids, mask_kind=kind.label, **params)
+    out = encoder.encode([ids[0]], mask=kind.label, hidden_states=True, **params)
+    np.testing.assert_allclose(result.as_numpy("last_hidden_state")[0], out.hidden_states[0], atol=ATOL, rtol=RTOL)
+    # and the kind changes the numbers (the parameter is not ignored)
+    plain = infer(v2, ids).as_numpy("last_hidden_state")
+    assert not np.allclose(plain, result.as_numpy("last_hidden_state"), atol=1e-4)
+
+
+def test_custom_mask_is_an_extra_input_tensor(v2, encoder):
+    ids = np.array([[4, 8, 15, 16, 23]], np.int64)
+    custom = np.random.default_rng(3).random((5, 5)) < 0.5
+    result = infer(v2, ids, custom=custom, mask_kind="custom")
+    out = encoder.encode([ids[0]], mask="custom", custom=custom, hidden_states=True)
+    np.testing.assert_allclose(result.as_numpy("last_hidden_state")[0], out.hidden_states[0], atol=ATOL, rtol=RTOL)
+
+
+def test_padded_batch_rows_equal_each_row_alone(v2, encoder):
+    ids = np.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]], np.int64)
+    attention = np.array([[1] * 6, [1, 1, 1, 0, 0, 0]], np.int64)
+    result = infer(v2, ids, attention=attention)
+    hidden, pooled = result.as_numpy("last_hidden_state"), result.as_numpy("embeddings")
+    assert hidden.shape == (2, 6, 32)
+    alone = encoder.encode([ids[1, :3]], hidden_states=True)
+    np.testing.assert_allclose(hidden[1, :3], alone.hidden_states[0], atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(pooled[1], alone.embeddings[0], atol=ATOL, rtol=RTOL)
+    assert not hidden[1, 3:].any()  # padded positions are zeros
+
+
+def test_only_requested_outputs_are_returned(v2):
+    result = infer(v2, np.array([[1, 2, 3]], np.int64), outputs=("embeddings",))
+    assert result.as_numpy("last_hidden_state") is None
+    assert result.as_numpy("embeddings").shape == (1, 32)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"mask_kind": "zigzag"}, "mask_kind"),
+    ({"mask_kind": "sliding_window", "window": 10_000}, "window"),
+    ({"pooling": "max"}, "pooling"),
+])
+def test_bad_parameters_are_invalid_argument(v2, params, match):
+    with pytest.raises(InferenceServerException, match=match) as info:
+        infer(v2, np.array([[1, 2, 3]], np.int64), **params)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_unknown_model_and_out_of_range_ids_are_rejected(v2):
+    with pytest.raises(InferenceServerException, match="not served here"):
+        v2.get_model_metadata("nope")
+    with pytest.raises(InferenceServerException, match="out of range"):
+        infer(v2, np.array([[1, 2, 100_000]], np.int64))
+
+
+def test_v2_requests_are_counted_in_metrics(server, v2):
+    infer(v2, np.array([[1, 2]], np.int64))
+    assert 'method="v2.ModelInfer"' in server.metrics()
