@@ -68,7 +68,7 @@ class EncoderServer:
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grpc"),
             options=[("grpc.max_receive_message_length", hard_limit),
                      ("grpc.max_send_message_length", -1)],
-            interceptors=security.interceptors(config),  # bearer token when --auth-token is set
+            interceptors=security.interceptors(config),  # bearer token (if set); malformed bytes -> INVALID_ARGUMENT
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         pb_grpc.add_EncoderServiceServicer_to_server(

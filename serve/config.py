@@ -42,7 +42,8 @@ class ServerConfig:
     tls_cert: str = ""  # PEM server certificate chain; with tls_key: serve TLS instead of plaintext
     tls_key: str = ""  # PEM private key for tls_cert
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
-    auth_token: str = dataclasses.field(default="", repr=False)  # when set, every RPC but grpc.health.v1 needs `authorization: Bearer <token>`
+    # when set, every RPC but grpc.health.v1 needs `authorization: Bearer <token>`; kept out of repr
+    auth_token: str = dataclasses.field(default="", repr=False)
     max_request_tokens: int = 0  # sequences x longest length per request; 0: max_batch_tokens
     # --- operations (serve/reload.py, serve/faults.py) ---
     admin: bool = False  # serve encoder.v1.AdminService (ReloadModel); SIGHUP reloads regardless
