@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from model.config import EncoderConfig
-from model.encoder import input_names
+from model.signature import input_names
 from model.mask_kinds import MaskKind
 
 

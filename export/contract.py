@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.config import EncoderConfig
-from model.encoder import OUTPUT_NAMES, input_names
-from model.mask_kinds import MASK_INPUTS
+from model.signature import input_specs, output_specs
 
 DEFAULT_OPSET = 18
 # onnxruntime 1.31 reads IR version <= 13; onnx 1.23 writes 14 unless told otherwise.
@@ -36,22 +35,11 @@ class ExportContract:
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        specs = []
-        for name in input_names(self.config):
-            if name in MASK_INPUTS:
-                dtype, dims = MASK_INPUTS[name]
-            elif name == "inputs_embeds":
-                dtype, dims = "float32", ("batch", "sequence", self.config.d_model)
-            else:  # input_ids, attention_mask, token_type_ids
-                dtype, dims = "int64", ("batch", "sequence")
-            specs.append(TensorSpec(name, dtype, tuple(dims)))
-        return tuple(specs)
+        return tuple(TensorSpec(*spec) for spec in input_specs(self.config))
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        d = self.config.d_model
-        dims = {"last_hidden_state": ("batch", "sequence", d), "mean_pooled": ("batch", d)}
-        return tuple(TensorSpec(name, "float32", dims[name]) for name in OUTPUT_NAMES)
+        return tuple(TensorSpec(*spec) for spec in output_specs(self.config))
 
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         """{"input_ids": {0: "batch", 1: "sequence"}, ...} for inputs and outputs."""

@@ -1,7 +1,7 @@
 """The reference encoder stack: embeddings, encoder layers, pooling (SEEDS.md, "Encoder layer").
 
 Read top to bottom: Embeddings -> EncoderLayer x N -> (final norm for pre-norm) -> outputs.
-`Encoder.forward` takes exactly the exported graph's inputs, in graph order (`input_names`).
+`Encoder.forward` takes exactly the exported graph's inputs, in graph order (`model.signature`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,7 @@ from model.attention import MultiHeadAttention
 from model.config import EncoderConfig
 from model.masks import build_allowed
 from model.pooling import mean_pool
-
-MASK_INPUT_NAMES = ("mask_kind", "mask_causal", "mask_window", "mask_step", "custom_mask")
-OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
-
-
-def input_names(config: EncoderConfig) -> tuple[str, ...]:
-    """The graph's input names in order; `Encoder.forward` takes them positionally."""
-    first = "input_ids" if config.input_kind == "tokens" else "inputs_embeds"
-    extra = ("token_type_ids",) if config.type_vocab_size else ()
-    return (first, "attention_mask", *MASK_INPUT_NAMES, *extra)
-
+from model.signature import OUTPUT_NAMES, input_names  # noqa: F401  (re-exported)
 
 def sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
     """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D)."""

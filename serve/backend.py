@@ -14,7 +14,8 @@ from typing import Mapping, Protocol
 import numpy as np
 
 from model.config import EncoderConfig
-from model.mask_kinds import MASK_INPUTS, MaskKind
+from model.mask_kinds import MaskKind
+from model.signature import OUTPUT_NAMES, input_specs
 from serve import logs
 from serve.errors import BackendError
 from serve.export_dir import ExportDir
@@ -23,17 +24,13 @@ log = logging.getLogger("serve.backend")
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
-OUTPUTS = ("last_hidden_state", "mean_pooled")
+OUTPUTS = OUTPUT_NAMES
 _ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "bool": "tensor(bool)"}
 
 
 def expected_inputs(config: EncoderConfig) -> dict[str, str]:
     """The graph inputs this server feeds, in graph order, with their ONNX Runtime type."""
-    first = ("input_ids", "int64") if config.input_kind == "tokens" else ("inputs_embeds", "float32")
-    names = [first, ("attention_mask", "int64"), *((n, d) for n, (d, _) in MASK_INPUTS.items())]
-    if config.type_vocab_size:
-        names.append(("token_type_ids", "int64"))
-    return {name: _ORT_TYPES[dtype] for name, dtype in names}
+    return {name: _ORT_TYPES[dtype] for name, dtype, _ in input_specs(config)}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import torch
 
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
 from model.attention import linear_attention_prefix, masked_softmax
-from model.encoder import build_encoder, input_names, sinusoidal_table
+from model.encoder import build_encoder, sinusoidal_table
+from model.signature import input_names
 from model.mask_kinds import MaskKind
 
 ATOL = 1e-5

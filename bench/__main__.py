@@ -1,0 +1,52 @@
+"""`python -m bench [--quick] [--out FILE] ...`: parse arguments, call bench.run.run_bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.run import BenchOptions, run_bench
+
+
+def parse_points(text: str) -> tuple:
+    """"1x128,8x256" -> ((1, 128), (8, 256))."""
+    points = []
+    for item in text.split(","):
+        batch, length = item.lower().split("x")
+        points.append((int(batch), int(length)))
+    return tuple(points)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few requests (the test suite)")
+    parser.add_argument("--out", default="bench-results/bench.json")
+    parser.add_argument("--export-dir", default="", help="benchmark this export instead of exporting one")
+    parser.add_argument("--threads", type=int, default=0, help="0: physical cores")
+    parser.add_argument("--points", type=parse_points, default=None, help="BxT,... e.g. 1x128,8x256,1x1024")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--no-model", action="store_true", help="skip the model benchmark")
+    parser.add_argument("--no-server", action="store_true", help="skip the server benchmark")
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--serve-graph", default="optimized", help="graph variant the server benchmark serves")
+    parser.add_argument("--rss-requests", default=None, help="two request counts, e.g. 1000,20000")
+    args = parser.parse_args(argv)
+    overrides = {"out": args.out, "export_dir": args.export_dir, "threads": args.threads,
+                 "server": not args.no_server, "model": not args.no_model, "serve_graph": args.serve_graph}
+    if args.points:
+        overrides["points"] = args.points
+    if args.repeats:
+        overrides["repeats"] = args.repeats
+    if args.no_tune:
+        overrides["tune"] = False
+    if args.rss_requests:
+        overrides["rss_checkpoints"] = tuple(int(x) for x in args.rss_requests.split(","))
+    options = BenchOptions.quick_defaults(**overrides) if args.quick else BenchOptions(**overrides)
+    report = run_bench(options, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(report["table"])
+    print(f"\nwrote {options.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Model benchmark: PyTorch eager vs ONNX Runtime sessions, one (batch, length) point at a time.
+
+Every timing is the median wall time of repeated calls after warm-up, the engines compared at a
+point taking turns (see time_interleaved), on inputs built by export.cases.make_feeds
+(bidirectional mask, every row full length).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from bench.flops import encoder_flops
+from export.cases import MaskSpec, make_feeds
+from model.config import EncoderConfig
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """The ONNX Runtime knobs the tuning step varies."""
+
+    intra_op_threads: int
+    optimization: str = "all"  # basic | extended | all | disabled
+    execution_mode: str = "sequential"  # sequential | parallel
+    inter_op_threads: int = 1
+    allow_spinning: bool = True
+
+    def label(self) -> str:
+        spin = "" if self.allow_spinning else ",no-spin"
+        return (f"intra={self.intra_op_threads},opt={self.optimization},{self.execution_mode}"
+                f"{',inter=' + str(self.inter_op_threads) if self.execution_mode == 'parallel' else ''}{spin}")
+
+
+def make_session(path: str, settings: SessionSettings, providers: list[str] | None = None):
+    import onnxruntime as ort
+
+    levels = {
+        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[settings.optimization]
+    options.intra_op_num_threads = settings.intra_op_threads
+    options.inter_op_num_threads = settings.inter_op_threads
+    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if settings.execution_mode == "parallel"
+                              else ort.ExecutionMode.ORT_SEQUENTIAL)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0")
+    return ort.InferenceSession(path, options, providers=providers or ["CPUExecutionProvider"])
+
+
+def bench_feeds(config: EncoderConfig, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    return make_feeds(config, [length] * batch, MaskSpec(), seed=seed, padded_to=length)
+
+
+def time_interleaved(runners: dict[str, Callable[[], object]], *, warmup: int, repeats: int,
+                     budget_s: float) -> dict[str, dict]:
+    """Median (and spread) per runner of up to `repeats` timed calls after `warmup` calls each.
+
+    The runners take turns, one call each per round (in a rotating order), so a slow spell of the
+    machine — other processes, frequency changes — falls on all of them alike instead of on
+    whichever ran then. Stops after the round that passes `budget_s` once 3 rounds are in.
+    """
+    names = list(runners)
+    for name in names:
+        for _ in range(warmup):
+            runners[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    started = time.perf_counter()
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            runners[name]()
+            times[name].append(time.perf_counter() - t0)
+        if round_ >= 2 and time.perf_counter() - started > budget_s:
+            break
+    return {name: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t),
+                   "runs": len(t)} for name, t in times.items()}
+
+
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 10) -> float:
+    """Single-precision GEMM rate of this machine: torch.matmul on (n, n) x (n, n), best of `repeats`
+    after warm-up, at `threads` threads (the peak a dense model could approach)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    for _ in range(2):
+        torch.matmul(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def torch_runner(model, feeds: dict[str, np.ndarray], input_order: list[str]) -> Callable[[], object]:
+    import torch
+
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in input_order]
+
+    def run():
+        with torch.no_grad():
+            return model(*args)
+
+    return run
+
+
+def ort_runner(session, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    names = [o.name for o in session.get_outputs()]
+    return lambda: session.run(names, feeds)
+
+
+def point_row(config: EncoderConfig, batch: int, length: int, engine: str, timing: dict) -> dict:
+    flops = encoder_flops(config, batch, length)
+    return {"engine": engine, "batch": batch, "length": length, **timing,
+            "gflop": flops / 1e9, "gflops_per_s": flops / 1e9 / (timing["median_ms"] / 1e3)}

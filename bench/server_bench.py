@@ -1,0 +1,238 @@
+"""Server benchmark: the real `python -m serve` as a subprocess on 127.0.0.1 (OS-chosen port).
+
+latency: sequential Encode calls over loopback vs session.run in this process on the same inputs.
+throughput: N client threads, each sending single-sequence requests back to back.
+memory: the server's RSS (psutil) idle, under load, and after 1k vs 20k requests.
+Every loop is bounded by a request count or a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServerHandle:
+    process: subprocess.Popen
+    port: int
+    target: str
+    log: Path
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@contextmanager
+def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float = 120.0):
+    """Start `python -m serve` with `flags`, wait until it listens and reports SERVING, stop it
+    (SIGTERM, then SIGKILL past a deadline) on exit."""
+    from serve.client import EncoderClient
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    port_file, log = workdir / "ports.json", workdir / "server.log"
+    command = [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
+               "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
+               *flags]
+    with open(log, "w") as log_handle:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not port_file.exists():
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not write {port_file} in {start_timeout_s:.0f} s")
+            time.sleep(0.05)
+        port = int(json.loads(port_file.read_text())["port"])
+        handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
+        with EncoderClient(handle.target, timeout=5.0) as client:
+            while True:
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server never reported SERVING: {log.read_text()[-2000:]}")
+                time.sleep(0.05)
+        yield handle
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+def percentiles(samples_ms: list[float]) -> dict:
+    a = np.asarray(samples_ms)
+    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": int(a.size)}
+
+
+def token_ids(vocab_size: int, length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, vocab_size, length, dtype=np.int64)
+
+
+def paired_latency(target: str, ids: np.ndarray, session, feeds: dict, *, warmup: int, requests: int) -> dict:
+    """Single-sequence Encode calls over loopback (pooled embedding only, one channel) and
+    session.run in this process on the same sequence, alternating one call each, so both see the
+    same machine. The graph computes both outputs either way."""
+    from serve.client import EncoderClient, build_request
+
+    request = build_request([ids])
+    names = [o.name for o in session.get_outputs()]
+    server_ms, local_ms = [], []
+    with EncoderClient(target, timeout=30.0, retries=0) as client:
+        for _ in range(warmup):
+            client.stub.Encode(request, timeout=30.0)
+            session.run(names, feeds)
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            client.stub.Encode(request, timeout=30.0)
+            t1 = time.perf_counter()
+            session.run(names, feeds)
+            t2 = time.perf_counter()
+            server_ms.append(1e3 * (t1 - t0))
+            local_ms.append(1e3 * (t2 - t1))
+    return {"server": percentiles(server_ms), "in_process": percentiles(local_ms)}
+
+
+class RssSampler:
+    """Samples a process's RSS every `interval_s` in a thread; `peak` is the largest seen."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+        self.interval_s, self.peak = interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        rss = self.process.memory_info().rss
+        self.peak = max(self.peak, rss)
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.now()
+            except Exception:  # noqa: BLE001 - the process ended
+                return
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requests: int,
+                    deadline_s: float, server_pid: int | None = None) -> dict:
+    """len(ids_per_client) threads, each one channel, each sending its single-sequence request
+    back to back until `total_requests` were answered in all or `deadline_s` passed."""
+    from serve.client import EncoderClient, build_request
+
+    clients = [EncoderClient(target, timeout=60.0, retries=0) for _ in ids_per_client]
+    requests = [build_request([ids]) for ids in ids_per_client]
+    for client, request in zip(clients, requests):  # connect every channel before the clock starts
+        client.stub.Encode(request, timeout=60.0)
+    lock = threading.Lock()
+    state = {"sent": 0, "done": 0, "errors": 0}
+    latencies: list[float] = []
+    batch_sizes: list[int] = []
+    inference_ms: list[float] = []
+    queue_ms: list[float] = []
+    stop_at = time.monotonic() + deadline_s
+
+    def worker(client, request) -> None:
+        while True:
+            with lock:
+                if state["sent"] >= total_requests or time.monotonic() > stop_at:
+                    return
+                state["sent"] += 1
+            t0 = time.perf_counter()
+            try:
+                response = client.stub.Encode(request, timeout=60.0)
+            except Exception:  # noqa: BLE001 - counted, the run goes on
+                with lock:
+                    state["errors"] += 1
+                continue
+            elapsed = 1e3 * (time.perf_counter() - t0)
+            with lock:
+                state["done"] += 1
+                latencies.append(elapsed)
+                batch_sizes.append(response.metadata.batch_size)
+                inference_ms.append(response.metadata.timings.inference_ms)
+                queue_ms.append(response.metadata.timings.queue_ms)
+
+    import psutil
+
+    threads = [threading.Thread(target=worker, args=pair, daemon=True) for pair in zip(clients, requests)]
+    me = psutil.Process()
+    server = psutil.Process(server_pid) if server_pid else None
+    cpu0 = (sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0)
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=deadline_s + 120)
+    wall = time.perf_counter() - t0
+    cpu1 = (sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0)
+    for client in clients:
+        client.close()
+    return {"clients": len(clients), "requests": state["done"], "errors": state["errors"], "seconds": wall,
+            "throughput_rps": state["done"] / wall if wall > 0 else 0.0,
+            "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+            # the server's own timings: mean session.run of the batch a request ran in, queue wait
+            "mean_inference_ms": float(np.mean(inference_ms)) if inference_ms else 0.0,
+            "mean_queue_ms": float(np.mean(queue_ms)) if queue_ms else 0.0,
+            # CPU seconds per wall second: the clients (this process) and the server
+            "client_cpu_cores": (cpu1[0] - cpu0[0]) / wall if wall > 0 else 0.0,
+            "server_cpu_cores": (cpu1[1] - cpu0[1]) / wall if wall > 0 and server else None,
+            "latency": percentiles(latencies) if latencies else None}
+
+
+def server_flags(graph: str, threads: int, *, batching: bool, max_batch_size: int = 32,
+                 queue_delay_ms: float = 2.0) -> list[str]:
+    """Flags for one server run; batching off = one sequence per session.run."""
+    size = max_batch_size if batching else 1
+    return ["--graph", graph, "--intra-op-threads", str(threads), "--max-batch-size", str(size),
+            "--max-sequences-per-request", str(min(size, 32)), "--max-queue-delay-ms",
+            str(queue_delay_ms if batching else 0.0)]
+
+
+def rss_mb(value: int) -> float:
+    return value / (1 << 20)
+
+
+def vm_hwm_mb(pid: int) -> float | None:
+    """The kernel's peak RSS of the process (Linux VmHWM), when readable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+

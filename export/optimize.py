@@ -1,0 +1,373 @@
+"""Build functions for the derived graph variants: optimized, int8, fp16.
+
+Each takes (path of the fp32 graph, path to write, config) and writes one ONNX file; the exporter
+validates it against PyTorch with the variant's tolerance (export/graphs.py holds the registry).
+
+optimized: three passes.
+  1. `fuse_attention` rewrites our masked attention pattern (model/attention.py) into ONNX
+     Runtime's contrib `Attention` op: one packed Q|K|V GEMM and a fused QKᵀ-softmax-PV kernel.
+     ORT's own BERT fusion does not recognise it (its masks are additive [B, T] paddings; ours is a
+     boolean [B, T, T] `allowed` matrix with where() before and after the softmax).
+  2. `fuse_skip_layer_norm`: bias add + residual add + LayerNorm -> SkipLayerNormalization (ORT
+     has this fusion but it needs shapes its inference loses past the contrib Attention).
+  3. ONNX Runtime's graph optimiser at ORT_ENABLE_EXTENDED, saved offline (Gelu/BiasGelu,
+     FusedMatMul, constant folding, ...). Not ORT_ENABLE_ALL: that level adds layout transforms
+     (NCHWc) chosen for the CPU the file is written on, so the saved file would be tied to it.
+int8: dynamic quantisation (int8 weights per channel, activations quantised per call) of the
+  graph after passes 1 and 2, for CPU.
+fp16: float16 weights and arithmetic with float32 inputs and outputs, for CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from export.contract import MAX_IR_VERSION
+from model.config import EncoderConfig
+
+MS_DOMAIN = "com.microsoft"
+
+
+# --------------------------------------------------------------------------- attention fusion
+
+
+class _Graph:
+    """Producer / consumer maps and constant lookup over one onnx GraphProto."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.inits = {i.name: i for i in graph.initializer}
+        self.producer = {out: node for node in graph.node for out in node.output}
+        self.consumers: dict[str, list] = defaultdict(list)
+        for node in graph.node:
+            for name in node.input:
+                self.consumers[name].append(node)
+        self.graph_outputs = {o.name for o in graph.output}
+
+    def const(self, name: str) -> np.ndarray | None:
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
+    def op(self, name: str, op_type: str):
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op_type else None
+
+    def only_consumer(self, name: str, op_type: str):
+        users = self.consumers.get(name, [])
+        if len(users) == 1 and users[0].op_type == op_type and name not in self.graph_outputs:
+            return users[0]
+        return None
+
+    def attr(self, node, name: str, default=None):
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+
+@dataclass
+class _Projection:
+    x: str
+    weight: np.ndarray  # (D_in, D_out)
+    bias: np.ndarray  # (D_out,)
+    nodes: list
+
+
+def _projection_heads(g: _Graph, name: str, perm: list[int]) -> _Projection | None:
+    """name = Transpose(perm)(Reshape(Add(MatMul(x, W), b))): a head-split linear projection."""
+    transpose = g.op(name, "Transpose")
+    if transpose is None or list(g.attr(transpose, "perm", [])) != perm:
+        return None
+    reshape = g.op(transpose.input[0], "Reshape")
+    add = g.op(reshape.input[0], "Add") if reshape is not None else None
+    if add is None:
+        return None
+    matmul, bias = None, None
+    for i in (0, 1):
+        candidate = g.op(add.input[i], "MatMul")
+        b = g.const(add.input[1 - i])
+        if candidate is not None and b is not None:
+            matmul, bias = candidate, b
+    weight = g.const(matmul.input[1]) if matmul is not None else None
+    if weight is None or weight.ndim != 2 or bias.shape != (weight.shape[1],):
+        return None
+    for node in (matmul, add, reshape):
+        if len(g.consumers[node.output[0]]) != 1:
+            return None
+    return _Projection(matmul.input[0], weight, bias, [matmul, add, reshape, transpose])
+
+
+def fuse_attention(model: onnx.ModelProto, config: EncoderConfig) -> tuple[onnx.ModelProto, int]:
+    """Rewrite every softmax attention block that matches our exported pattern into contrib
+    `Attention`; returns (model, number of blocks fused). Blocks that do not match (cosine or
+    length scaling, additive or linear attention) are left as they are.
+
+    Matched, per layer (model/attention.py):
+        scores = MatMul(q_heads, k_headsᵀ) [· scale]
+        p = Where(allowed, Softmax(Where(allowed, scores, lowest)), 0)
+        y = Reshape(Transpose(MatMul(p, v_heads)))            # (B, T, D)
+    Written as:
+        y = Attention(x, [Wq|Wk|Wv], [bq|bk|bv], mask=int32(allowed), scale, mask_filter_value=lowest)
+            * any(allowed, axis=-1)                             # (B, T, 1)
+    The last factor keeps the contract that a query with no allowed key gives zeros: the fused
+    kernel adds `lowest` to every score of such a row, so its softmax is uniform, not zero.
+    """
+    g = _Graph(model.graph)
+    heads = config.n_heads
+    fused, remove, shared = 0, set(), {}
+    new_nodes: dict[int, list] = {}  # index of the node they replace -> nodes
+    index = {id(n): i for i, n in enumerate(model.graph.node)}
+    for softmax in [n for n in model.graph.node if n.op_type == "Softmax"]:
+        if g.attr(softmax, "axis", -1) not in (-1, 3):
+            continue
+        pre = g.op(softmax.input[0], "Where")
+        if pre is None or len(g.consumers[pre.output[0]]) != 1:
+            continue
+        cond, scores, lowest = pre.input
+        low = g.const(lowest)
+        if low is None or low.size != 1 or float(low) > -1e30:
+            continue
+        scale, mul = 1.0, g.op(scores, "Mul")
+        qk = g.op(scores, "MatMul")
+        if mul is not None:
+            for i in (0, 1):
+                s, m = g.const(mul.input[1 - i]), g.op(mul.input[i], "MatMul")
+                if s is not None and s.size == 1 and m is not None:
+                    scale, qk = float(s), m
+            if qk is None or len(g.consumers[mul.output[0]]) != 1:
+                continue
+        if qk is None or len(g.consumers[qk.output[0]]) != 1:
+            continue
+        post = g.only_consumer(softmax.output[0], "Where")
+        if post is None or post.input[0] != cond or post.input[1] != softmax.output[0]:
+            continue
+        zero = g.const(post.input[2])
+        if zero is None or zero.size != 1 or float(zero) != 0.0:
+            continue
+        pv = g.only_consumer(post.output[0], "MatMul")
+        if pv is None or pv.input[0] != post.output[0]:
+            continue
+        merge = g.only_consumer(pv.output[0], "Transpose")
+        if merge is None or list(g.attr(merge, "perm", [])) != [0, 2, 1, 3]:
+            continue
+        flat = g.only_consumer(merge.output[0], "Reshape")
+        unsqueeze = g.op(cond, "Unsqueeze")  # allowed[:, None]: (B, 1, T, T)
+        if flat is None or unsqueeze is None or len(unsqueeze.input) < 2:
+            continue
+        axes = g.const(unsqueeze.input[1])
+        if axes is None or list(np.atleast_1d(axes)) != [1]:
+            continue
+        q = _projection_heads(g, qk.input[0], [0, 2, 1, 3])
+        k = _projection_heads(g, qk.input[1], [0, 2, 3, 1])
+        v = _projection_heads(g, pv.input[1], [0, 2, 1, 3])
+        if q is None or k is None or v is None or not (q.x == k.x == v.x):
+            continue
+        if q.weight.shape[1] != config.d_model or k.weight.shape != q.weight.shape or v.weight.shape != q.weight.shape:
+            continue
+        if len(g.consumers[k.nodes[-1].output[0]]) != 1 or len(g.consumers[q.nodes[-1].output[0]]) != 1:
+            continue
+
+        allowed = unsqueeze.input[0]  # (B, T, T) bool
+        prefix = f"fused_attention_{fused}"
+        nodes = []
+        if allowed not in shared:
+            mask_i32, row_any, axes_name = f"{allowed}_int32", f"{allowed}_row_any", f"{allowed}_last_axis"
+            model.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), axes_name))
+            nodes += [
+                helper.make_node("Cast", [allowed], [mask_i32], to=TensorProto.INT32, name=f"{mask_i32}_cast"),
+                helper.make_node("Cast", [allowed], [f"{allowed}_float"], to=TensorProto.FLOAT,
+                                 name=f"{allowed}_float_cast"),
+                helper.make_node("ReduceMax", [f"{allowed}_float", axes_name], [row_any], keepdims=1,
+                                 name=f"{row_any}_reduce"),  # (B, T, 1): 1 where the query sees a key
+            ]
+            shared[allowed] = (mask_i32, row_any)
+        mask_i32, row_any = shared[allowed]
+        weight = np.concatenate([q.weight, k.weight, v.weight], axis=1).astype(np.float32)  # (D, 3D)
+        bias = np.concatenate([q.bias, k.bias, v.bias]).astype(np.float32)  # (3D,)
+        model.graph.initializer.extend([
+            numpy_helper.from_array(weight, f"{prefix}.qkv_weight"),
+            numpy_helper.from_array(bias, f"{prefix}.qkv_bias"),
+        ])
+        nodes += [
+            helper.make_node(
+                "Attention", [q.x, f"{prefix}.qkv_weight", f"{prefix}.qkv_bias", mask_i32],
+                [f"{prefix}.out"], domain=MS_DOMAIN, name=prefix,
+                num_heads=heads, scale=scale, mask_filter_value=float(low),
+            ),  # (B, T, D)
+            helper.make_node("Mul", [f"{prefix}.out", row_any], [flat.output[0]], name=f"{prefix}.zero_empty_rows"),
+        ]
+        new_nodes[index[id(flat)]] = nodes
+        for node in (*q.nodes, *k.nodes, *v.nodes, qk, pre, softmax, post, pv, merge, flat):
+            remove.add(id(node))
+        if mul is not None:
+            remove.add(id(mul))
+        fused += 1
+    if not fused:
+        return model, 0
+    # Rebuild the node list in order: new nodes take the place of the Reshape they replace, which
+    # comes after all their inputs (x, the allowed matrix) and before every use of its output.
+    ordered = []
+    for i, node in enumerate(model.graph.node):
+        if i in new_nodes:
+            ordered.extend(new_nodes[i])
+        if id(node) not in remove:
+            ordered.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(ordered)
+    _drop_unused_initializers(model)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    # Stale intermediate shapes would name tensors that no longer exist.
+    del model.graph.value_info[:]
+    return model, fused
+
+
+def fuse_skip_layer_norm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """LayerNorm(residual + (MatMul(h, W) + b)) -> contrib SkipLayerNormalization(residual,
+    MatMul(h, W), gamma, beta, b): the bias add, the residual add and the norm in one pass over
+    the tensor. ORT's own fusion needs shapes its inference cannot give past contrib Attention.
+    When the sum is used elsewhere too (pre-norm), it comes out as the op's 4th output."""
+    g = _Graph(model.graph)
+    replaced: dict[int, onnx.NodeProto] = {}
+    remove: set[int] = set()
+    count = 0
+    for norm in [n for n in model.graph.node if n.op_type == "LayerNormalization"]:
+        if len(norm.input) < 2 or len(norm.output) != 1 or g.attr(norm, "axis", -1) != -1:
+            continue
+        total = g.op(norm.input[0], "Add")
+        if total is None:
+            continue
+        for i in (0, 1):
+            inner, residual = g.op(total.input[i], "Add"), total.input[1 - i]
+            if inner is None or len(g.consumers[inner.output[0]]) != 1:
+                continue
+            matmul, bias = None, None
+            for j in (0, 1):
+                m, b = g.op(inner.input[j], "MatMul"), g.const(inner.input[1 - j])
+                if m is not None and b is not None and b.ndim == 1:
+                    matmul, bias = m, inner.input[1 - j]
+            if matmul is None:
+                continue
+            users = g.consumers[total.output[0]]
+            outputs = [norm.output[0]]
+            if len(users) > 1 or total.output[0] in g.graph_outputs:
+                outputs += ["", "", total.output[0]]  # input_skip_bias_sum, for the other users
+            gamma = norm.input[1]
+            beta = norm.input[2] if len(norm.input) > 2 and norm.input[2] else ""
+            fused = helper.make_node(
+                "SkipLayerNormalization", [residual, matmul.output[0], gamma, beta, bias], outputs,
+                domain=MS_DOMAIN, name=f"skip_layer_norm_{count}",
+                epsilon=float(g.attr(norm, "epsilon", 1e-5)),
+            )
+            replaced[id(norm)] = fused
+            remove.update({id(inner), id(total)})
+            count += 1
+            break
+    if not count:
+        return model, 0
+    ordered = []
+    for node in model.graph.node:
+        if id(node) in remove:
+            continue
+        ordered.append(replaced.get(id(node), node))
+    del model.graph.node[:]
+    model.graph.node.extend(ordered)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    del model.graph.value_info[:]
+    return model, count
+
+
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+# --------------------------------------------------------------------------- ORT offline passes
+
+
+def ort_optimize(src: str, dst: str, level: str = "extended") -> None:
+    """Run ONNX Runtime's graph optimiser on `src` and save the result (CPU provider) to `dst`."""
+    import onnxruntime as ort
+
+    levels = {
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[level]
+    options.optimized_model_filepath = dst
+    ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
+    _cap_ir_version(dst)
+
+
+def _cap_ir_version(path: str) -> None:
+    proto = onnx.load(path)
+    if proto.ir_version > MAX_IR_VERSION:
+        proto.ir_version = MAX_IR_VERSION
+        onnx.save(proto, path)
+
+
+# --------------------------------------------------------------------------- build functions
+
+
+def build_optimized(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
+    """Fused attention (contrib Attention), SkipLayerNormalization, then ORT_ENABLE_EXTENDED
+    fusions, saved offline."""
+    model, _fused = fuse_attention(onnx.load(fp32_path), config)
+    model, _norms = fuse_skip_layer_norm(model)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out_path) or ".") as tmp:
+        fused_path = os.path.join(tmp, "fused.onnx")
+        onnx.save(model, fused_path)
+        ort_optimize(fused_path, out_path, "extended")
+
+
+def build_int8(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
+    """Dynamic int8 quantisation of the fused graph (attention, skip-norm): int8 weights per output channel for
+    every MatMul and the packed Q|K|V of every Attention (-> QAttention); activations are
+    quantised to uint8 per call. Per channel measured faster here than per tensor, and closer."""
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model, _fused = fuse_attention(onnx.load(fp32_path), config)
+    model, _norms = fuse_skip_layer_norm(model)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out_path) or ".") as tmp:
+        fused_path = os.path.join(tmp, "fused.onnx")
+        onnx.save(model, fused_path)
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)  # quantize_dynamic logs a "consider pre-processing" warning
+        try:
+            quantize_dynamic(fused_path, out_path, weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul", "Attention"],
+                             extra_options={"DefaultTensorType": TensorProto.FLOAT})
+        finally:
+            root.setLevel(level)
+    _cap_ir_version(out_path)
+
+
+def build_fp16(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
+    """float16 weights and arithmetic, float32 inputs and outputs (ONNX Runtime's float16
+    converter; onnxconverter-common 1.16 mistypes a graph output that is also used inside the
+    graph, as last_hidden_state is by the pooling)."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(onnx.load(fp32_path), keep_io_types=True)
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+    onnx.save(model, out_path)

@@ -1,0 +1,34 @@
+"""The exported graph's signature: input and output names, dtypes and dims, in graph order.
+
+Torch-free: the exporter derives its contract from it and the server checks a loaded graph
+against it. `Encoder.forward` takes the inputs positionally in this order.
+"""
+
+from __future__ import annotations
+
+from model.config import EncoderConfig
+from model.mask_kinds import MASK_INPUTS
+
+OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
+
+
+def input_specs(config: EncoderConfig) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
+    """(name, dtype, dims) per graph input; str dims are symbolic axes."""
+    if config.input_kind == "tokens":
+        first = ("input_ids", "int64", ("batch", "sequence"))
+    else:
+        first = ("inputs_embeds", "float32", ("batch", "sequence", config.d_model))
+    specs = [first, ("attention_mask", "int64", ("batch", "sequence"))]
+    specs += [(name, dtype, dims) for name, (dtype, dims) in MASK_INPUTS.items()]
+    if config.type_vocab_size:
+        specs.append(("token_type_ids", "int64", ("batch", "sequence")))
+    return tuple(specs)
+
+
+def output_specs(config: EncoderConfig) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
+    d = config.d_model
+    return (("last_hidden_state", "float32", ("batch", "sequence", d)), ("mean_pooled", "float32", ("batch", d)))
+
+
+def input_names(config: EncoderConfig) -> tuple[str, ...]:
+    return tuple(name for name, _, _ in input_specs(config))

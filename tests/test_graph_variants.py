@@ -1,0 +1,112 @@
+"""The derived graph variants (optimized, int8, fp16): each exports, passes its validation, loads in
+ONNX Runtime and stays within its documented tolerance of PyTorch on inputs the export never saw."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.cases import EVERY_MASK, MaskSpec, make_feeds
+from export.exporter import export_model
+from export.graphs import GRAPHS
+from export.optimize import fuse_attention
+from export.validate import compare
+from model.config import EncoderConfig
+from model.encoder import build_encoder
+from model.signature import input_names
+
+VARIANTS = ("optimized", "int8", "fp16")
+SMALL = dict(d_model=32, n_heads=4, n_layers=2, d_ff=64, vocab_size=97, max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def small_config():
+    return EncoderConfig(name="variants", **SMALL)
+
+
+@pytest.fixture(scope="module")
+def small_export(small_config, tmp_path_factory):
+    out = tmp_path_factory.mktemp("variants")
+    return export_model(small_config, out, graphs=("fp32", *VARIANTS), long_length=40)
+
+
+def _reference(config, feeds):
+    model = build_encoder(config)
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in input_names(config)]
+    with torch.no_grad():
+        return [t.numpy() for t in model(*args)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_is_written_and_passes_validation(small_export, variant):
+    entry = small_export.metadata["graphs"][variant]
+    assert entry["file"] == GRAPHS[variant].file
+    assert (small_export.directory / entry["file"]).exists()
+    assert entry["tolerance"] == GRAPHS[variant].tolerance
+    assert entry["validation"]["passed"] is True
+    assert entry["validation"]["cases"] > 30
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_pytorch_on_unseen_inputs(small_config, small_export, variant):
+    path = small_export.directory / GRAPHS[variant].file
+    session = ort.InferenceSession(str(path), providers=list(GRAPHS[variant].validate_on))
+    tolerance = GRAPHS[variant].tolerance
+    lengths = [41, 3, 0, 64, 17, 9, 22, 1, 30]  # a fully padded row, the longest length, odd sizes
+    feeds = make_feeds(small_config, lengths, list(EVERY_MASK), seed=123)
+    actual = session.run(["last_hidden_state", "mean_pooled"], feeds)
+    expected = _reference(small_config, feeds)
+    for got, want in zip(actual, expected):
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.isfinite(got).all()
+    score = compare(actual, expected, feeds, tolerance["metric"])
+    if tolerance["metric"] == "max_abs":
+        assert score <= tolerance["limit"]
+    else:
+        assert score >= tolerance["limit"]
+
+
+def test_int8_file_is_smaller_than_fp32(small_export):
+    graphs = small_export.metadata["graphs"]
+    assert graphs["int8"]["bytes"] < graphs["fp32"]["bytes"]
+
+
+def test_optimized_graph_runs_attention_and_norms_as_fused_ops(small_config, small_export):
+    ops = [n.op_type for n in onnx.load(str(small_export.directory / GRAPHS["optimized"].file)).graph.node]
+    assert ops.count("Attention") == small_config.n_layers
+    assert ops.count("SkipLayerNormalization") == 2 * small_config.n_layers
+    assert "Softmax" not in ops and "LayerNormalization" not in ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, fused", [
+    ({"scaling": "temperature", "temperature": 4.0, "norm_placement": "pre", "activation": "gelu"}, True),
+    ({"input_kind": "features"}, True),
+    ({"scaling": "cosine", "temperature": 0.1}, False),  # q, k normalised between projection and QKᵀ
+    ({"scaling": "length"}, False),  # the scale is a per-row tensor, not a constant
+    ({"attention": "linear"}, False),
+])
+def test_attention_fusion_applies_only_where_the_pattern_matches(small_config, tmp_path, change, fused):
+    """Unmatched variants keep their unfused attention; either way the optimized graph keeps
+    parity (pre-norm also takes the SkipLayerNormalization path that outputs the residual sum)."""
+    config = small_config.replace(name="fusion", n_layers=1, **change)
+    result = export_model(config, tmp_path, graphs=("optimized",), long_length=24)
+    fp32 = onnx.load(str(result.directory / GRAPHS["fp32"].file))
+    _, count = fuse_attention(fp32, config)
+    assert count == (config.n_layers if fused else 0)
+    assert result.metadata["graphs"]["optimized"]["validation"]["passed"] is True
+
+
+def test_fused_attention_gives_zeros_for_a_query_with_no_allowed_key(small_config, small_export):
+    """A custom mask row with no allowed key: the fused kernel alone would give a uniform average;
+    the graph must give what PyTorch gives (attention output zero, so only biases and residual)."""
+    path = small_export.directory / GRAPHS["optimized"].file
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = make_feeds(small_config, [12, 12], MaskSpec(kind=EVERY_MASK[-1].kind, custom_seed=3), seed=4)
+    feeds["custom_mask"][:, 5, :] = False
+    actual = session.run(["last_hidden_state", "mean_pooled"], feeds)
+    expected = _reference(small_config, feeds)
+    np.testing.assert_allclose(actual[0][:, 5], expected[0][:, 5], atol=1e-4, rtol=0)
