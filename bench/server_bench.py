@@ -214,7 +214,7 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
 
 
 def server_flags(graph: str, threads: int, *, batching: bool, max_batch_size: int = 32,
-                 queue_delay_ms: float = 2.0) -> list[str]:
+                 queue_delay_ms: float = 0.0) -> list[str]:
     """Flags for one server run; batching off = one sequence per session.run."""
     size = max_batch_size if batching else 1
     return ["--graph", graph, "--intra-op-threads", str(threads), "--max-batch-size", str(size),

@@ -7,6 +7,7 @@ start: it checks the device it got, and that the graph's inputs are the ones thi
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Mapping, Protocol
@@ -76,8 +77,8 @@ class OnnxRuntimeBackend:
         providers = choose_providers(device, cuda_device_id, available)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if intra_op_threads:
-            options.intra_op_num_threads = int(intra_op_threads)
+        # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
+        options.intra_op_num_threads = int(intra_op_threads) or len(os.sched_getaffinity(0))
         try:
             self.session = ort.InferenceSession(str(export.graph_path), sess_options=options, providers=providers)
         except Exception as error:  # onnxruntime raises its own exception types

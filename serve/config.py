@@ -24,13 +24,17 @@ class ServerConfig:
     metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
     port_file: str = ""  # when set, the bound ports are written here as JSON once listening
     export_dir: str = "exports/default"
-    graph: str = "fp32"  # which metadata.json "graphs" entry to serve
+    # which metadata.json "graphs" entry to serve; "auto": on CUDA fp16, on CPU optimized, if the export
+    # has it, else fp32 (never int8: it is outside the 1e-4 parity bound, so it must be asked for)
+    graph: str = "auto"
     device: str = "cpu"  # cpu | cuda | auto
     cuda_device_id: int = 0
-    intra_op_threads: int = 0  # 0: onnxruntime's default
+    intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity: container limits)
     max_batch_size: int = 32  # rows per session.run
     max_batch_tokens: int = 16384  # rows x padded length per session.run
-    max_queue_delay_ms: float = 2.0  # how long the first queued request waits for company
+    # How long the first queued request waits for company. 0: no added wait; requests that arrive
+    # while a batch runs form the next batch anyway (measured faster here: docs/performance.md).
+    max_queue_delay_ms: float = 0.0
     max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
     max_sequences_per_request: int = 32
     max_request_bytes: int = 16 * 1024 * 1024

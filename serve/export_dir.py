@@ -66,7 +66,8 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True) -> ExportDir:
+def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True,
+                auto: tuple[str, ...] = ("optimized",)) -> ExportDir:
     root = Path(path)
     meta_path = root / "metadata.json"
     if not meta_path.is_file():
@@ -86,6 +87,8 @@ def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True) -
     if declared is not None and declared != ours:
         raise ExportError(f"{meta_path}: mask_kinds {declared} differ from this server's {ours}")
     graphs = metadata.get("graphs") or {}
+    if graph == "auto":  # the first of `auto` the export has, else fp32
+        graph = next((name for name in auto if name in graphs), "fp32")
     if graph not in graphs:
         raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(graphs) or 'none'}")
     entry = graphs[graph]

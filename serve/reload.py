@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from serve import logs
-from serve.backend import Backend, dummy_batch
+from serve.backend import CUDA, Backend, dummy_batch
 from serve.batcher import Batcher
 from serve.config import ServerConfig
 from serve.engine import Engine
@@ -56,10 +56,18 @@ def probe(backend: Backend, export: ExportDir) -> None:
         raise BackendError(f"{export.graph_path}: probe inference produced NaN or infinity")
 
 
+def auto_graphs(device: str) -> tuple[str, ...]:
+    """What graph "auto" prefers (else fp32): the fastest variant within fp32's parity bound."""
+    import onnxruntime as ort
+
+    cuda = device == "cuda" or (device == "auto" and CUDA in ort.get_available_providers())
+    return ("fp16",) if cuda else ("optimized",)
+
+
 def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_factory: BackendFactory,
                  observe: Callable[..., None] | None = None) -> tuple[Engine, float]:
     """A started engine for `export_dir` that passed every check, and its warm-up seconds."""
-    export = load_export(export_dir, graph)
+    export = load_export(export_dir, graph, auto=auto_graphs(config.device))
     backend = backend_factory(export, config)
     warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
     backend.health()
