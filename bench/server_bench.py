@@ -90,27 +90,31 @@ def token_ids(vocab_size: int, length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, vocab_size, length, dtype=np.int64)
 
 
-def paired_latency(target: str, ids: np.ndarray, session, feeds: dict, *, warmup: int, requests: int) -> dict:
+def paired_latency(target: str, ids: np.ndarray, session, feeds: dict, *, warmup: int, requests: int,
+                   block: int = 25) -> dict:
     """Single-sequence Encode calls over loopback (pooled embedding only, one channel) and
-    session.run in this process on the same sequence, alternating one call each, so both see the
-    same machine. The graph computes both outputs either way."""
+    session.run in this process on the same sequence, taking turns in blocks of `block` calls (one
+    untimed call first each time), so both see the same machine without running beside the other's
+    still-spinning thread pool. The graph computes both outputs either way."""
     from serve.client import EncoderClient, build_request
 
     request = build_request([ids])
     names = [o.name for o in session.get_outputs()]
     server_ms, local_ms = [], []
     with EncoderClient(target, timeout=30.0, retries=0) as client:
+        calls = {"server": lambda: client.stub.Encode(request, timeout=30.0),
+                 "in_process": lambda: session.run(names, feeds)}
+        out = {"server": server_ms, "in_process": local_ms}
         for _ in range(warmup):
-            client.stub.Encode(request, timeout=30.0)
-            session.run(names, feeds)
-        for _ in range(requests):
-            t0 = time.perf_counter()
-            client.stub.Encode(request, timeout=30.0)
-            t1 = time.perf_counter()
-            session.run(names, feeds)
-            t2 = time.perf_counter()
-            server_ms.append(1e3 * (t1 - t0))
-            local_ms.append(1e3 * (t2 - t1))
+            calls["server"]()
+            calls["in_process"]()
+        while len(server_ms) < requests:
+            for name, call in calls.items():
+                call()
+                for _ in range(min(block, requests - len(out[name]))):
+                    t0 = time.perf_counter()
+                    call()
+                    out[name].append(1e3 * (time.perf_counter() - t0))
     return {"server": percentiles(server_ms), "in_process": percentiles(local_ms)}
 
 
