@@ -78,8 +78,9 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
         observe=observe,
     )
+    engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
     batcher.start()
-    return Engine(export, backend, batcher, config), warm_s
+    return engine, warm_s
 
 
 def retire(engine: Engine, grace_s: float) -> threading.Thread:

@@ -3,6 +3,10 @@ Certificates are generated at test time with `cryptography` (tests/reliability_c
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,6 +16,7 @@ from serve.config import ServerConfig
 from tests.reliability_common import InProcessServer, count, make_certs
 
 TOKEN = "s3cret-token-for-tests"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +44,16 @@ def test_mtls_with_the_right_token_is_served(mtls_token_server, certs):
         assert client.health() == "SERVING"
         assert client.encode([[1, 2, 3]]).embeddings.shape == (1, 32)
         assert client.model_info().name
+
+
+def test_container_health_probe_speaks_mtls_and_fails_without_a_client_certificate(mtls_token_server, certs):
+    probe = [sys.executable, str(REPO / "docker" / "health_probe.py"), "--addr", mtls_token_server.target,
+             "--tls-ca", str(certs["ca_cert"])]
+    ok = subprocess.run([*probe, "--tls-cert", str(certs["client_cert"]), "--tls-key", str(certs["client_key"])],
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    refused = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
 
 
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", TOKEN[:-1], ""])
