@@ -16,7 +16,6 @@ from model.attention import MultiHeadAttention
 from model.config import EncoderConfig
 from model.masks import build_allowed
 from model.pooling import mean_pool
-from model.signature import OUTPUT_NAMES, input_names  # noqa: F401  (re-exported)
 
 def sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
     """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D)."""
