@@ -18,6 +18,7 @@ from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.signature import OUTPUT_NAMES, input_specs
 from serve import logs
+from serve.core import Row, pad_batch
 from serve.errors import BackendError
 from serve.export_dir import ExportDir
 
@@ -131,20 +132,9 @@ class OnnxRuntimeBackend:
 
 
 def dummy_batch(config: EncoderConfig, rows: int, length: int, kinds: list[MaskKind] | None = None) -> dict:
+    """A full-length batch of zeros (one mask kind per row) for warm-up and the start-up probe."""
     kinds = kinds or [MaskKind.BIDIRECTIONAL] * rows
-    if config.input_kind == "tokens":
-        first = ("input_ids", np.zeros((rows, length), np.int64))
-    else:
-        first = ("inputs_embeds", np.zeros((rows, length, config.d_model), np.float32))
-    batch = {
-        first[0]: first[1],
-        "attention_mask": np.ones((rows, length), np.int64),
-        "mask_kind": np.array([int(k) for k in kinds], np.int64),
-        "mask_causal": np.zeros(rows, bool),
-        "mask_window": np.ones(rows, np.int64),
-        "mask_step": np.full(rows, 2, np.int64),
-        "custom_mask": np.ones((rows, length, length), bool),
-    }
-    if config.type_vocab_size:
-        batch["token_type_ids"] = np.zeros((rows, length), np.int64)
-    return batch
+    shape = (length,) if config.input_kind == "tokens" else (length, config.d_model)
+    dtype = np.int64 if config.input_kind == "tokens" else np.float32
+    batch = [Row(np.zeros(shape, dtype), int(kind), False, 1, 2, None) for kind in kinds]
+    return pad_batch(batch, length, config)

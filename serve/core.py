@@ -170,3 +170,34 @@ def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.n
                 f"(needs [{length}, {length}])"
             )
     return matrices
+
+
+def pad_batch(rows: list[Row], length: int, config: EncoderConfig) -> dict[str, np.ndarray]:
+    """The graph's inputs for `rows`, right-padded to `length` (padding is masked out)."""
+    n = len(rows)
+    if config.input_kind == "tokens":
+        first_name = "input_ids"
+        first = np.full((n, length), config.pad_token_id, np.int64)
+    else:
+        first_name = "inputs_embeds"
+        first = np.zeros((n, length, config.d_model), np.float32)
+    attention = np.zeros((n, length), np.int64)
+    custom = np.ones((n, length, length), bool)
+    for b, row in enumerate(rows):
+        first[b, : row.length] = row.inputs
+        attention[b, : row.length] = 1
+        if row.custom is not None:
+            custom[b] = False
+            custom[b, : row.length, : row.length] = row.custom
+    feeds = {
+        first_name: first,
+        "attention_mask": attention,
+        "mask_kind": np.array([r.kind for r in rows], np.int64),
+        "mask_causal": np.array([r.causal for r in rows], bool),
+        "mask_window": np.array([r.window for r in rows], np.int64),
+        "mask_step": np.array([max(r.step, 1) for r in rows], np.int64),
+        "custom_mask": custom,
+    }
+    if config.type_vocab_size:
+        feeds["token_type_ids"] = np.zeros((n, length), np.int64)
+    return feeds
