@@ -38,6 +38,7 @@ from serve.core import EncodeRequest, EncodeResult, MaskChoice
 from serve.engine import Engine
 from serve.errors import ServeError, ValidationError, to_status
 from serve.metrics import Metrics
+from serve.tensors import array_from_bytes
 
 SERVICE = "inference.GRPCInferenceService"
 PROTO = Path(__file__).resolve().parent.parent / "protos" / "kserve" / "v2" / "grpc_predict_v2.proto"
@@ -133,15 +134,13 @@ def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     if dtype is None:
         raise ValidationError(f"{name}.datatype: {tensor.datatype!r} is not supported; use "
                               f"{', '.join(DATATYPES)}")
+    if raw is not None:
+        return array_from_bytes(raw, dtype, tensor.shape, field=name, data_field=f"{name} raw contents",
+                                type_name=tensor.datatype)
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise ValidationError(f"{name}.shape: negative dimension in {list(shape)}")
     count = math.prod(shape)
-    if raw is not None:
-        if len(raw) != count * dtype.itemsize:
-            raise ValidationError(f"{name}: {len(raw)} raw bytes, but shape {list(shape)} of "
-                                  f"{tensor.datatype} needs {count * dtype.itemsize}")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
     values = getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype])
     if len(values) != count:
         raise ValidationError(f"{name}.contents: {len(values)} values for shape {list(shape)}")

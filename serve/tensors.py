@@ -23,24 +23,32 @@ def dtype_name(code: int) -> str:
     return pb.DataType.Name(code) if code in pb.DataType.values() else f"DataType({code})"
 
 
+def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_field: str,
+                     type_name: str) -> np.ndarray:
+    """A read-only view of packed little-endian `data` as `shape`; ValidationError naming the field
+    when the shape is negative, the byte count does not match, or BOOL bytes are not 0 or 1.
+    Shared by Encode (`Tensor.data`) and KServe v2 (`raw_input_contents`)."""
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValidationError(f"{field}.shape: negative dimension in {list(shape)}")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise ValidationError(
+            f"{data_field}: {len(data)} bytes, but shape {list(shape)} of {type_name} needs {expected}"
+        )
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:  # numpy would read 2..255 as True
+        raise ValidationError(f"{data_field}: BOOL elements must be bytes 0 or 1")
+    return array
+
+
 def to_numpy(tensor: "pb.Tensor", field: str) -> np.ndarray:
     """A read-only view of the tensor's bytes; ValidationError naming `field` when inconsistent."""
     dtype = DTYPES.get(tensor.dtype)
     if dtype is None:
         raise ValidationError(f"{field}.dtype: {dtype_name(tensor.dtype)} is not supported")
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
-        raise ValidationError(f"{field}.shape: negative dimension in {list(shape)}")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(tensor.data) != expected:
-        raise ValidationError(
-            f"{field}.data: {len(tensor.data)} bytes, but shape {list(shape)} of "
-            f"{dtype_name(tensor.dtype)} needs {expected}"
-        )
-    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
-    if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:  # numpy would read 2..255 as True
-        raise ValidationError(f"{field}.data: BOOL elements must be bytes 0 or 1")
-    return array
+    return array_from_bytes(tensor.data, dtype, tensor.shape, field=field, data_field=f"{field}.data",
+                            type_name=dtype_name(tensor.dtype))
 
 
 def from_numpy(array: np.ndarray) -> "pb.Tensor":
