@@ -29,10 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-server", action="store_true", help="skip the server benchmark")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--serve-graph", default="optimized", help="graph variant the server benchmark serves")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: PyTorch, every session and the server on the GPU (needs onnxruntime-gpu)")
     parser.add_argument("--rss-requests", default=None, help="two request counts, e.g. 1000,20000")
     args = parser.parse_args(argv)
     overrides = {"out": args.out, "export_dir": args.export_dir, "threads": args.threads,
-                 "server": not args.no_server, "model": not args.no_model, "serve_graph": args.serve_graph}
+                 "server": not args.no_server, "model": not args.no_model, "serve_graph": args.serve_graph,
+                 "device": args.device}
     if args.points:
         overrides["points"] = args.points
     if args.repeats:

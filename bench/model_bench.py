@@ -17,6 +17,7 @@ import numpy as np
 from bench.flops import encoder_flops
 from export.cases import MaskSpec, make_feeds
 from model.config import EncoderConfig
+from serve.backend import cuda_options
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SessionSettings:
         spin = "" if self.allow_spinning else ",no-spin"
         return (f"intra={self.intra_op_threads},opt={self.optimization},{self.execution_mode}"
                 f"{',inter=' + str(self.inter_op_threads) if self.execution_mode == 'parallel' else ''}{spin}")
+
+
+# The server's CUDA options (TF32 off), so in-process and served sessions run the same kernels.
+CUDA_PROVIDERS = [("CUDAExecutionProvider", cuda_options()), "CPUExecutionProvider"]
 
 
 def make_session(path: str, settings: SessionSettings, providers: list[str] | None = None):
@@ -90,32 +95,41 @@ def time_interleaved(runners: dict[str, Callable[[], object]], *, warmup: int, r
                    "runs": len(t)} for name, t in times.items()}
 
 
-def matmul_gflops(threads: int, n: int = 2048, repeats: int = 10) -> float:
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
     """Single-precision GEMM rate of this machine: torch.matmul on (n, n) x (n, n), best of `repeats`
-    after warm-up, at `threads` threads (the peak a dense model could approach)."""
+    after warm-up, at `threads` threads (the peak a dense model could approach). On cuda: plain fp32
+    (TF32 off, PyTorch's default for matmul)."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(2):
         torch.matmul(a, b, out=out)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.matmul(a, b, out=out)
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
 
 
-def torch_runner(model, feeds: dict[str, np.ndarray], input_order: list[str]) -> Callable[[], object]:
+def torch_runner(model, feeds: dict[str, np.ndarray], input_order: list[str],
+                 device: str = "cpu") -> Callable[[], object]:
+    """PyTorch eager on `device`; on cuda the inputs live on the GPU and each call waits for the result."""
     import torch
 
-    args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in input_order]
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[name])).to(device) for name in input_order]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         with torch.no_grad():
-            return model(*args)
+            out = model(*args)
+        sync()
+        return out
 
     return run
 

@@ -49,6 +49,7 @@ class BenchOptions:
     throughput_deadline_s: float = 20.0
     rss_checkpoints: tuple = (1000, 20000)
     tune: bool = True
+    device: str = "cpu"  # cpu | cuda: where PyTorch, every session and the server run
 
     @classmethod
     def quick_defaults(cls, **overrides) -> "BenchOptions":
@@ -86,7 +87,8 @@ def machine_info() -> dict:
     return {"cpu": model, "physical_cores": physical_cores(), "logical_cpus": psutil.cpu_count(),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "onnxruntime": ort.__version__,
-            "ort_providers": ort.get_available_providers(), "load_average_start": list(os.getloadavg())}
+            "ort_providers": ort.get_available_providers(), "load_average_start": list(os.getloadavg()),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, say) -> Path:
@@ -120,23 +122,27 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
 
     meta = json.loads((export_dir / "metadata.json").read_text())
     cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    on_gpu = options.device == "cuda"
     torch.set_num_threads(threads)
-    model = build_encoder(config)
+    model = build_encoder(config).to(options.device)
     settings = mb.SessionSettings(intra_op_threads=threads)
     sessions = {}
     for graph in graphs:
         if graph not in meta["graphs"]:
             continue
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if graph == "fp16" else None
+        providers = mb.CUDA_PROVIDERS if (on_gpu or graph == "fp16") else None
         if graph == "fp16" and not cuda:
             say("fp16: skipped (no CUDA execution provider here; the fp16 graph is for GPUs)")
+            continue
+        if graph == "int8" and on_gpu:
+            say("int8: skipped on cuda (dynamic quantisation is the CPU variant)")
             continue
         sessions[graph] = mb.make_session(str(export_dir / meta["graphs"][graph]["file"]), settings, providers)
     rows = []
     order = list(input_names(config))
     for batch, length in options.points:
         feeds = mb.bench_feeds(config, batch, length)
-        runners = {"torch-eager": mb.torch_runner(model, feeds, order)}
+        runners = {"torch-eager": mb.torch_runner(model, feeds, order, device=options.device)}
         runners.update({f"ort-{graph}": mb.ort_runner(session, feeds) for graph, session in sessions.items()})
         timings = mb.time_interleaved(runners, warmup=2, repeats=options.repeats,
                                       budget_s=options.budget_s * len(runners))
@@ -195,8 +201,10 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
 
     # (b) latency, server vs in-process: same graph, same thread count, same session options.
     graph = options.serve_graph if options.serve_graph in meta["graphs"] else "fp32"
-    flags = sb.server_flags(graph, threads, batching=True)
-    session = make_session(str(export_dir / meta["graphs"][graph]["file"]), SessionSettings(threads))
+    device = ["--device", options.device]
+    flags = sb.server_flags(graph, threads, batching=True) + device
+    session = make_session(str(export_dir / meta["graphs"][graph]["file"]), SessionSettings(threads),
+                           mb.CUDA_PROVIDERS if options.device == "cuda" else None)
     feeds = make_feeds(config, [length], MaskSpec(), padded_to=length)
     feeds[next(iter(feeds))] = ids[None, :]
     with sb.running_server(str(export_dir), flags) as server:
@@ -205,7 +213,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                                               requests=options.latency_requests)
     result["latency"].update(point=[1, length], graph=graph, flags=flags)
     # The same with a 2 ms batching delay: what waiting for company costs a lone request.
-    flags = sb.server_flags(graph, threads, batching=True, queue_delay_ms=2.0)
+    flags = sb.server_flags(graph, threads, batching=True, queue_delay_ms=2.0) + device
     with sb.running_server(str(export_dir), flags) as server:
         result["latency_queue_delay_2ms"] = sb.paired_latency(server.target, ids, session, feeds, warmup=10,
                                                              requests=options.latency_requests)
@@ -220,7 +228,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     client_ids = [sb.token_ids(vocab, options.client_length, seed=100 + i) for i in range(options.clients)]
     first, last = options.rss_checkpoints
     for mode in ("off", "on"):
-        flags = sb.server_flags(graph, threads, batching=(mode == "on"))
+        flags = sb.server_flags(graph, threads, batching=(mode == "on")) + device
         with sb.running_server(str(export_dir), flags) as server:
             with sb.RssSampler(server.pid) as rss:
                 idle = rss.now()
@@ -302,7 +310,8 @@ def _row_text(row: dict) -> str:
 
 def format_table(report: dict) -> str:
     matmul = report.get("matmul_gflops_best", report["matmul_gflops"])
-    lines = [f"machine: {report['machine']['cpu']}, {report['machine']['physical_cores']} physical cores, "
+    gpu = f", device cuda ({report['machine'].get('gpu')})" if report.get("device") == "cuda" else ""
+    lines = [f"machine: {report['machine']['cpu']}, {report['machine']['physical_cores']} physical cores{gpu}, "
              f"threads {report['threads']}; matmul {matmul:.1f} GFLOP/s ({report['matmul_n']}x{report['matmul_n']} "
              f"fp32, best of before {report['matmul_gflops']:.1f} / after "
              f"{report.get('matmul_gflops_after', float('nan')):.1f})", "",
@@ -364,16 +373,18 @@ def run_bench(options: BenchOptions, *, progress=None) -> dict:
     graphs = tuple(g for g in options.graphs if g != "fp32")
     export_dir = ensure_export(config, ("fp32", *graphs), options, say)
     report["export_dir"] = str(export_dir)
-    report["matmul_n"] = 256 if options.quick else 2048
-    report["matmul_gflops"] = mb.matmul_gflops(threads, n=report["matmul_n"], repeats=3 if options.quick else 10)
+    report["device"] = options.device
+    report["matmul_n"] = 256 if options.quick else (8192 if options.device == "cuda" else 2048)
+    report["matmul_gflops"] = mb.matmul_gflops(threads, n=report["matmul_n"], repeats=3 if options.quick else 10,
+                                               device=options.device)
     say(f"matmul: {report['matmul_gflops']:.1f} GFLOP/s at {threads} threads")
     report["model"] = (bench_model(config, export_dir, ("fp32", *graphs), threads, options, say)
                        if options.model else [])
-    if options.tune and options.model:
+    if options.tune and options.model and options.device == "cpu":
         point = (8, 256) if (8, 256) in options.points else options.points[0]
         report["tuning_point"] = list(point)
         report["tuning"] = tune_sessions(config, export_dir, threads, point, options, say)
-    report["matmul_gflops_after"] = mb.matmul_gflops(threads, n=report["matmul_n"], repeats=3)
+    report["matmul_gflops_after"] = mb.matmul_gflops(threads, n=report["matmul_n"], repeats=3, device=options.device)
     report["server"] = None
     if options.server:
         try:
@@ -388,9 +399,9 @@ def run_bench(options: BenchOptions, *, progress=None) -> dict:
     # can land in a busy spell, and the larger makes the fraction target the harder one.
     report["matmul_gflops_best"] = max(report["matmul_gflops"], report["matmul_gflops_after"])
     report["targets"] = judge(report["model"], report["server"], report["matmul_gflops_best"])
-    if options.quick:  # a tiny model at other shapes: the targets do not apply
+    if options.quick or options.device != "cpu":  # the targets are for the default model on CPU
         for verdict in report["targets"]:
-            verdict.update(met=None, note="quick mode: not judged")
+            verdict.update(met=None, note="quick mode: not judged" if options.quick else "cuda run: not judged")
     report["machine"]["load_average_end"] = list(os.getloadavg())
     report["seconds"] = time.time() - started
     out = Path(options.out)

@@ -41,7 +41,7 @@ BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
     backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
-                                 intra_op_threads=config.intra_op_threads)
+                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32)
     if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
         from serve.faults import FaultInjectingBackend
 

@@ -53,7 +53,12 @@ class Backend(Protocol):
     def encode(self, batch: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def choose_providers(device: str, cuda_device_id: int, available: list[str]) -> list:
+def cuda_options(cuda_device_id: int = 0, tf32: bool = False) -> dict:
+    """CUDA execution provider options: the device, and TF32 off unless asked for (ServerConfig.cuda_tf32)."""
+    return {"device_id": int(cuda_device_id), "use_tf32": "1" if tf32 else "0"}
+
+
+def choose_providers(device: str, cuda_device_id: int, available: list[str], tf32: bool = False) -> list:
     if device == "cpu":
         return [CPU]
     if CUDA not in available:
@@ -64,18 +69,18 @@ def choose_providers(device: str, cuda_device_id: int, available: list[str]) -> 
             )
         logs.event(log, "cuda_unavailable_fallback_cpu", logging.WARNING, available=",".join(available))
         return [CPU]
-    return [(CUDA, {"device_id": int(cuda_device_id)}), CPU]
+    return [(CUDA, cuda_options(cuda_device_id, tf32)), CPU]
 
 
 class OnnxRuntimeBackend:
     def __init__(self, export: ExportDir, *, device: str = "cpu", cuda_device_id: int = 0,
-                 intra_op_threads: int = 0) -> None:
+                 intra_op_threads: int = 0, cuda_tf32: bool = False) -> None:
         import onnxruntime as ort
 
         self.export = export
         self.config = export.config
         available = list(ort.get_available_providers())
-        providers = choose_providers(device, cuda_device_id, available)
+        providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).

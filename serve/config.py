@@ -29,6 +29,10 @@ class ServerConfig:
     graph: str = "auto"
     device: str = "cpu"  # cpu | cuda | auto
     cuda_device_id: int = 0
+    # TF32 tensor-core matmuls for fp32 graphs on CUDA (Ampere and newer). onnxruntime turns them on
+    # by default; they round inputs to 10 mantissa bits: measured 7e-4 max abs off PyTorch fp32 on an
+    # H100 against 1e-6 without (docs/serving.md). Off: fp32 means fp32. On: faster, less exact.
+    cuda_tf32: bool = False
     intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity: container limits)
     max_batch_size: int = 32  # rows per session.run
     max_batch_tokens: int = 16384  # rows x padded length per session.run

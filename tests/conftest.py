@@ -128,7 +128,7 @@ def serve_start(tmp_path_factory):
     def start(export_dir: Path, *flags: str, wait: bool = True, timeout: float = 60.0) -> ServeProcess:
         workdir = tmp_path_factory.mktemp("serve-proc")
         port_file, log_path = workdir / "ports.json", workdir / "server.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(
             [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", "0", "--port-file", str(port_file), *flags],

@@ -66,6 +66,16 @@ def test_config_flags_override_environment_which_overrides_defaults():
     assert ServerConfig().host == "127.0.0.1" and ServerConfig().port == 50051
 
 
+def test_cuda_provider_keeps_fp32_exact_with_tf32_off_unless_asked_for():
+    from serve.backend import CPU, CUDA, choose_providers
+
+    available = [CUDA, CPU]
+    assert choose_providers("cuda", 1, available) == [(CUDA, {"device_id": 1, "use_tf32": "0"}), CPU]
+    assert choose_providers("cuda", 0, available, tf32=True)[0] == (CUDA, {"device_id": 0, "use_tf32": "1"})
+    assert load_config(["--cuda-tf32", "true"], environ={}).cuda_tf32 is True
+    assert ServerConfig().cuda_tf32 is False
+
+
 def test_config_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="ENCODER_PORT"):
         load_config([], {"ENCODER_PORT": "http"})

@@ -1,0 +1,174 @@
+"""The CUDA path, end to end: the real server with `--device cuda` on a real NVIDIA GPU.
+
+These run only where onnxruntime-gpu finds a GPU (`CUDAExecutionProvider` available). CI and the
+development machine have none, so here they skip; on a GPU host run `pytest tests/test_cuda.py`
+(docs/serving.md, "Checking the CUDA path"). Nothing is mocked: a skip is the honest answer where
+no GPU exists.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from model.mask_kinds import MaskKind
+from serve.client import EncoderClient
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers(),
+    reason="needs onnxruntime-gpu and an NVIDIA GPU (CI has none)",
+)]
+
+CUDA = "CUDAExecutionProvider"
+ATOL = 1e-4
+FP16_MIN_COSINE = 0.9999  # the fp16 graph's export tolerance (export/graphs.py)
+LENGTHS = [5, 17, 1, 40]
+MASKS = [
+    dict(mask=MaskKind.BIDIRECTIONAL),
+    dict(mask=MaskKind.CAUSAL),
+    dict(mask=MaskKind.SLIDING_WINDOW, window=3, causal=True),
+    dict(mask=MaskKind.DILATED, step=2),
+    dict(mask=MaskKind.LOCAL_STRIDED, window=2, step=5, causal=True),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_export_dir(tmp_path_factory):
+    """The serve-test model with the fp32, optimized and fp16 graphs, exported and validated once."""
+    from pathlib import Path
+
+    from export.exporter import export_model
+    from model.config import EncoderConfig
+
+    config = EncoderConfig(name="serve-test", d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                           vocab_size=100, max_positions=128)
+    out = tmp_path_factory.mktemp("cuda-export")
+    return Path(export_model(config, out, graphs=("fp32", "optimized", "fp16")).directory)
+
+
+@pytest.fixture(scope="module")
+def reference(cuda_export_dir):
+    """reference(ids, **mask options) -> (hidden [T, D], mean [D]) from the PyTorch model, on CPU."""
+    import torch
+
+    from model.config import from_dict
+    from model.encoder import build_encoder
+    from model.masks import default_mask_inputs
+
+    config = from_dict(json.loads((cuda_export_dir / "metadata.json").read_text())["config"])
+    model = build_encoder(config)
+
+    def run(ids, mask=MaskKind.BIDIRECTIONAL, window=0, step=1, causal=False):
+        x = torch.as_tensor(np.asarray(ids, np.int64))[None]
+        attention = torch.ones_like(x)
+        masks = default_mask_inputs(attention, mask, window=window, step=step or 1, causal=causal)
+        with torch.no_grad():
+            hidden, pooled = model(x, attention, *masks.values())
+        return hidden[0].numpy(), pooled[0].numpy()
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def cuda_server(serve_start, cuda_export_dir):
+    """One server per graph variant, started lazily, all with --device cuda."""
+    servers = {}
+
+    def get(graph: str):
+        if graph not in servers:
+            servers[graph] = serve_start(cuda_export_dir, "--device", "cuda", "--graph", graph,
+                                         "--max-queue-delay-ms", "20", timeout=180.0)
+        return servers[graph]
+
+    yield get
+    for server in servers.values():
+        assert server.terminate() == 0, server.log()
+
+
+def _ids(length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100, length).astype(np.int64)
+
+
+def _label(options: dict) -> str:
+    return "-".join(f"{k}={v.label if isinstance(v, MaskKind) else v}" for k, v in options.items())
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_session_runs_on_the_cuda_execution_provider(cuda_server):
+    with EncoderClient(cuda_server("fp32").target, timeout=60, retries=0) as client:
+        info = client.model_info()
+        out = client.encode([_ids(7, 0)])
+    assert list(info.providers)[0] == CUDA
+    assert out.metadata.execution_provider == CUDA
+
+
+def test_graph_auto_serves_fp16_on_cuda(cuda_server, cuda_export_dir):
+    meta = json.loads((cuda_export_dir / "metadata.json").read_text())
+    with EncoderClient(cuda_server("auto").target, timeout=60, retries=0) as client:
+        out = client.encode([_ids(7, 0)])
+    assert out.metadata.model_sha256 == meta["graphs"]["fp16"]["sha256"]
+
+
+@pytest.mark.parametrize("graph", ["fp32", "optimized"])
+@pytest.mark.parametrize("options", MASKS, ids=_label)
+def test_fp32_graphs_on_cuda_match_pytorch(cuda_server, reference, graph, options):
+    sequences = [_ids(n, seed) for seed, n in enumerate(LENGTHS)]
+    with EncoderClient(cuda_server(graph).target, timeout=60, retries=0) as client:
+        out = client.encode(sequences, hidden_states=True, pooling="mean", **options)
+    assert out.metadata.execution_provider == CUDA
+    for seq, hidden, embedding in zip(sequences, out.hidden_states, out.embeddings):
+        ref_hidden, ref_mean = reference(seq, **options)
+        np.testing.assert_allclose(hidden, ref_hidden, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(embedding, ref_mean, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("options", MASKS, ids=_label)
+def test_fp16_graph_on_cuda_is_within_its_cosine_tolerance(cuda_server, reference, options):
+    sequences = [_ids(n, 50 + seed) for seed, n in enumerate(LENGTHS)]
+    with EncoderClient(cuda_server("fp16").target, timeout=60, retries=0) as client:
+        out = client.encode(sequences, hidden_states=True, pooling="mean", **options)
+    assert out.embeddings.dtype == np.float32 and np.isfinite(out.embeddings).all()
+    for seq, embedding in zip(sequences, out.embeddings):
+        assert _cosine(embedding, reference(seq, **options)[1]) >= FP16_MIN_COSINE
+
+
+def test_concurrent_requests_on_cuda_share_batches_and_match_single_requests(cuda_server):
+    server = cuda_server("fp32")
+    sequences = [_ids(3 + 5 * i, 100 + i) for i in range(16)]
+    with EncoderClient(server.target, timeout=60, retries=0) as client:
+        alone = [client.encode([seq]).embeddings[0] for seq in sequences]
+        together: list = [None] * len(sequences)
+        sizes: list = [0] * len(sequences)
+
+        def call(i: int) -> None:
+            out = client.encode([sequences[i]])
+            together[i], sizes[i] = out.embeddings[0], out.metadata.batch_size
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(sequences))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert max(sizes) > 1
+
+
+def test_tf32_opt_in_still_runs_on_cuda_within_the_fp16_cosine_bound(serve_start, cuda_export_dir, reference):
+    server = serve_start(cuda_export_dir, "--device", "cuda", "--graph", "fp32", "--cuda-tf32", "true",
+                         timeout=180.0)
+    try:
+        seq = _ids(40, 7)
+        with EncoderClient(server.target, timeout=60, retries=0) as client:
+            out = client.encode([seq])
+        assert out.metadata.execution_provider == CUDA
+        assert _cosine(out.embeddings[0], reference(seq)[1]) >= FP16_MIN_COSINE
+    finally:
+        assert server.terminate() == 0, server.log()
