@@ -29,7 +29,10 @@ def build_allowed(
 
     causal_rule = d >= 0
     local = d.abs() <= window  # (B, T, T)
-    dilated = torch.remainder(d, step) == 0  # (B, T, T); floor-mod: 0 for multiples of either sign
+    # (i - j) % step == 0  <=>  i % step == j % step: B x T remainders, not B x T x T (integer division
+    # has no vector instruction; the [B, T, T] int64 remainder was 4 % of the graph at (8, 256)).
+    residue = torch.remainder(pos[None, :], step[:, :, 0])  # (B, T)
+    dilated = residue[:, :, None] == residue[:, None, :]  # (B, T, T)
 
     # A sum of products over the kinds (bool `where` has no ONNX Runtime CPU kernel).
     rule = (

@@ -74,11 +74,12 @@ def test_int8_file_is_smaller_than_fp32(small_export):
     assert graphs["int8"]["bytes"] < graphs["fp32"]["bytes"]
 
 
-def test_optimized_graph_runs_attention_and_norms_as_fused_ops(small_config, small_export):
+def test_optimized_graph_runs_attention_as_one_fused_op_per_layer(small_config, small_export):
     ops = [n.op_type for n in onnx.load(str(small_export.directory / GRAPHS["optimized"].file)).graph.node]
     assert ops.count("Attention") == small_config.n_layers
-    assert ops.count("SkipLayerNormalization") == 2 * small_config.n_layers
-    assert "Softmax" not in ops and "LayerNormalization" not in ops
+    assert "Softmax" not in ops and "Where" not in ops
+    # bias + residual + LayerNorm stay unfused: ORT's CPU SkipLayerNormalization measured slower
+    assert "SkipLayerNormalization" not in ops and ops.count("LayerNormalization") == 2 * small_config.n_layers
 
 
 @pytest.mark.slow
@@ -91,7 +92,7 @@ def test_optimized_graph_runs_attention_and_norms_as_fused_ops(small_config, sma
 ])
 def test_attention_fusion_applies_only_where_the_pattern_matches(small_config, tmp_path, change, fused):
     """Unmatched variants keep their unfused attention; either way the optimized graph keeps
-    parity (pre-norm also takes the SkipLayerNormalization path that outputs the residual sum)."""
+    parity."""
     config = small_config.replace(name="fusion", n_layers=1, **change)
     result = export_model(config, tmp_path, graphs=("optimized",), long_length=24)
     fp32 = onnx.load(str(result.directory / GRAPHS["fp32"].file))
