@@ -101,15 +101,27 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
 
     root = Path(options.out).parent / "export"
     target = root / config.name
-    meta = target / "metadata.json"
-    if meta.exists():
+    meta, stamp = target / "metadata.json", root / f".{config.name}.source-sha256"
+    if meta.exists() and stamp.exists() and stamp.read_text() == _exporter_source_hash():
         data = json.loads(meta.read_text())
         if data.get("config") == json.loads(json.dumps(to_dict(config))) and set(graphs) <= set(data["graphs"]):
             say(f"reusing export {target}")
             return target
     say(f"exporting {', '.join(graphs)} to {target}")
     export_model(config, root, graphs=tuple(graphs), long_length=24 if options.quick else 67, progress=say)
+    stamp.write_text(_exporter_source_hash())
     return target
+
+
+def _exporter_source_hash() -> str:
+    """sha256 over model/ and export/ sources: a reused export must come from the code being measured."""
+    import hashlib
+
+    repo = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted([*repo.glob("model/*.py"), *repo.glob("export/*.py")]):
+        digest.update(path.relative_to(repo).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads: int, options: BenchOptions,
