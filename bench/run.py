@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -219,21 +220,28 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                            mb.CUDA_PROVIDERS if options.device == "cuda" else None)
     feeds = make_feeds(config, [length], MaskSpec(), padded_to=length)
     feeds[next(iter(feeds))] = ids[None, :]
-    with sb.running_server(str(export_dir), flags) as server:
+    # Beside them, on CPU: bench/bare_server.py, a gRPC server that only runs session.run -- the floor
+    # that gRPC in Python sets under any Python server's latency.
+    with ExitStack() as stack:
+        server = stack.enter_context(sb.running_server(str(export_dir), flags))
         say(f"server up on {server.target} (pid {server.pid}) flags {' '.join(flags)}")
-        result["latency"] = sb.paired_latency(server.target, ids, session, feeds, warmup=10,
+        targets = {"server": server.target}
+        if options.device == "cpu" and config.input_kind == "tokens":
+            targets["bare_grpc"] = stack.enter_context(sb.running_bare_server(str(export_dir), graph, threads)).target
+        result["latency"] = sb.paired_latency(targets, ids, session, feeds, warmup=10,
                                               requests=options.latency_requests)
     result["latency"].update(point=[1, length], graph=graph, flags=flags)
     # The same with a 2 ms batching delay: what waiting for company costs a lone request.
     flags = sb.server_flags(graph, threads, batching=True, queue_delay_ms=2.0) + device
     with sb.running_server(str(export_dir), flags) as server:
-        result["latency_queue_delay_2ms"] = sb.paired_latency(server.target, ids, session, feeds, warmup=10,
-                                                             requests=options.latency_requests)
+        result["latency_queue_delay_2ms"] = sb.paired_latency({"server": server.target}, ids, session, feeds,
+                                                             warmup=10, requests=options.latency_requests)
     result["latency_queue_delay_2ms"].update(point=[1, length], graph=graph, flags=flags)
     for key in ("latency", "latency_queue_delay_2ms"):
-        for name in ("server", "in_process"):
-            say(f"{key} {name} (1,{length}): " + ", ".join(
-                f"{k} {v:.2f}" for k, v in result[key][name].items() if k.endswith("_ms")))
+        for name in ("server", "bare_grpc", "in_process"):
+            if name in result[key]:
+                say(f"{key} {name} (1,{length}): " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in result[key][name].items() if k.endswith("_ms")))
     del session
 
     # (b) throughput with batching on / off; (c) RSS of the batching server from its start.
@@ -345,10 +353,15 @@ def format_table(report: dict) -> str:
             if not lat:
                 continue
             lines += ["", f"latency at (1,{lat['point'][1]}), graph {lat['graph']}, {title}:"]
-            for name in ("server", "in_process"):
+            for name in ("server", "bare_grpc", "in_process"):
+                if name not in lat:
+                    continue
                 p = lat[name]
                 lines.append(f"  {name:10s} p50 {p['p50_ms']:8.2f}  p90 {p['p90_ms']:8.2f}  "
                              f"p99 {p['p99_ms']:8.2f} ms (n={p['n']})")
+            if "bare_grpc" in lat:
+                lines.append(f"  (bare_grpc: bench/bare_server.py, gRPC + session.run only: "
+                             f"{lat['bare_grpc']['p50_ms'] / lat['in_process']['p50_ms']:.3f}x in-process at p50)")
         lines.append("throughput:")
         for name, t in server["throughput"].items():
             lines.append(f"  {name:12s} {t['throughput_rps']:8.1f} req/s  mean batch {t['mean_batch_size']:5.1f}  "

@@ -37,16 +37,9 @@ class ServerHandle:
 
 
 @contextmanager
-def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float = 120.0):
-    """Start `python -m serve` with `flags`, wait until it listens and reports SERVING, stop it
-    (SIGTERM, then SIGKILL past a deadline) on exit."""
-    from serve.client import EncoderClient
-
-    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    port_file, log = workdir / "ports.json", workdir / "server.log"
-    command = [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
-               "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
-               *flags]
+def _process_with_port_file(command: list[str], port_file: Path, log: Path, start_timeout_s: float):
+    """Runs `command` (which writes {"port": N} to `port_file` once listening); yields (process, port,
+    deadline); stops it (SIGTERM, then SIGKILL past a deadline) on exit."""
     with open(log, "w") as log_handle:
         process = subprocess.Popen(command, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT)
     try:
@@ -57,7 +50,28 @@ def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float 
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server did not write {port_file} in {start_timeout_s:.0f} s")
             time.sleep(0.05)
-        port = int(json.loads(port_file.read_text())["port"])
+        yield process, int(json.loads(port_file.read_text())["port"]), deadline
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+@contextmanager
+def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float = 120.0):
+    """Start `python -m serve` with `flags`, wait until it listens and reports SERVING, stop it on exit."""
+    from serve.client import EncoderClient
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    port_file, log = workdir / "ports.json", workdir / "server.log"
+    command = [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
+               "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
+               *flags]
+    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, deadline):
         handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
         with EncoderClient(handle.target, timeout=5.0) as client:
             while True:
@@ -70,14 +84,17 @@ def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float 
                     raise RuntimeError(f"server never reported SERVING: {log.read_text()[-2000:]}")
                 time.sleep(0.05)
         yield handle
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+
+
+@contextmanager
+def running_bare_server(export_dir: str, graph: str, threads: int, *, start_timeout_s: float = 120.0):
+    """Start bench/bare_server.py (gRPC + session.run, nothing else) on 127.0.0.1; yields its handle."""
+    workdir = Path(tempfile.mkdtemp(prefix="bench-bare-"))
+    port_file, log = workdir / "port.json", workdir / "server.log"
+    flags = ["--export-dir", str(export_dir), "--graph", graph, "--threads", str(threads)]
+    command = [sys.executable, "-m", "bench.bare_server", *flags, "--port-file", str(port_file)]
+    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, _deadline):
+        yield ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
 
 
 def percentiles(samples_ms: list[float]) -> dict:
@@ -90,32 +107,37 @@ def token_ids(vocab_size: int, length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, vocab_size, length, dtype=np.int64)
 
 
-def paired_latency(target: str, ids: np.ndarray, session, feeds: dict, *, warmup: int, requests: int,
-                   block: int = 25) -> dict:
-    """Single-sequence Encode calls over loopback (pooled embedding only, one channel) and
-    session.run in this process on the same sequence, taking turns in blocks of `block` calls (one
-    untimed call first each time), so both see the same machine without running beside the other's
-    still-spinning thread pool. The graph computes both outputs either way."""
+def paired_latency(targets: dict[str, str], ids: np.ndarray, session, feeds: dict, *, warmup: int,
+                   requests: int, block: int = 25) -> dict:
+    """Single-sequence Encode calls over loopback to each of `targets` ({name: host:port}; pooled
+    embedding only, one channel each) and session.run in this process ("in_process") on the same
+    sequence, taking turns in blocks of `block` calls (one untimed call first each time), so all see
+    the same machine without running beside another's still-spinning thread pool. The graph computes
+    both outputs either way."""
+    from contextlib import ExitStack
+
     from serve.client import EncoderClient, build_request
 
     request = build_request([ids])
     names = [o.name for o in session.get_outputs()]
-    server_ms, local_ms = [], []
-    with EncoderClient(target, timeout=30.0, retries=0) as client:
-        calls = {"server": lambda: client.stub.Encode(request, timeout=30.0),
-                 "in_process": lambda: session.run(names, feeds)}
-        out = {"server": server_ms, "in_process": local_ms}
+    with ExitStack() as stack:
+        calls = {}
+        for name, target in targets.items():
+            client = stack.enter_context(EncoderClient(target, timeout=30.0, retries=0))
+            calls[name] = (lambda stub=client.stub: stub.Encode(request, timeout=30.0))
+        calls["in_process"] = lambda: session.run(names, feeds)
+        out: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(warmup):
-            calls["server"]()
-            calls["in_process"]()
-        while len(server_ms) < requests:
+            for call in calls.values():
+                call()
+        while len(out["in_process"]) < requests:
             for name, call in calls.items():
                 call()
                 for _ in range(min(block, requests - len(out[name]))):
                     t0 = time.perf_counter()
                     call()
                     out[name].append(1e3 * (time.perf_counter() - t0))
-    return {"server": percentiles(server_ms), "in_process": percentiles(local_ms)}
+    return {name: percentiles(samples) for name, samples in out.items()}
 
 
 class RssSampler:

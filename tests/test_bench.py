@@ -23,6 +23,7 @@ def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
         assert row["median_ms"] > 0 and row["gflops_per_s"] > 0 and row["runs"] >= 1
     server = report["server"]
     assert server["latency"]["server"]["n"] > 0 and server["latency"]["in_process"]["n"] > 0
+    assert server["latency"]["bare_grpc"]["n"] > 0  # the gRPC-in-Python floor, measured beside them
     for mode in ("batching_on", "batching_off"):
         assert server["throughput"][mode]["requests"] > 0
         assert server["throughput"][mode]["errors"] == 0
