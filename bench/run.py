@@ -387,6 +387,10 @@ def run_bench(options: BenchOptions, *, progress=None) -> dict:
     say = progress or (lambda _msg: None)
     started = time.time()
     config = quick_config() if options.quick else EncoderConfig()
+    if options.export_dir:  # benchmark the model that export holds, whatever its size
+        from model.config import from_dict
+
+        config = from_dict(json.loads((Path(options.export_dir) / "metadata.json").read_text())["config"])
     threads = options.threads or physical_cores()
     report: dict = {"format": "encoder-bench/1", "quick": options.quick,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
