@@ -103,14 +103,15 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
     root = Path(options.out).parent / "export"
     target = root / config.name
     meta, stamp = target / "metadata.json", root / f".{config.name}.source-sha256"
-    if meta.exists() and stamp.exists() and stamp.read_text() == _exporter_source_hash():
+    source = _exporter_source_hash()
+    if meta.exists() and stamp.exists() and stamp.read_text() == source:
         data = json.loads(meta.read_text())
         if data.get("config") == json.loads(json.dumps(to_dict(config))) and set(graphs) <= set(data["graphs"]):
             say(f"reusing export {target}")
             return target
     say(f"exporting {', '.join(graphs)} to {target}")
     export_model(config, root, graphs=tuple(graphs), long_length=24 if options.quick else 67, progress=say)
-    stamp.write_text(_exporter_source_hash())
+    stamp.write_text(source)
     return target
 
 
