@@ -156,9 +156,9 @@ def serve_start(tmp_path_factory):
             server.proc.wait(10)
 
 
-@pytest.fixture(scope="session")
-def serve_reference(serve_export_dir):
-    """reference(ids, kind, window=, step=, causal=, custom=) -> (hidden [T, D], mean [D]) from PyTorch."""
+def pytorch_reference(export_dir: Path):
+    """reference(ids, kind, window=, step=, causal=, custom=) -> (hidden [T, D], mean [D]) from the
+    PyTorch model of the token export in `export_dir` (its config from metadata.json), on CPU."""
     import numpy as np
     import torch
 
@@ -167,7 +167,7 @@ def serve_reference(serve_export_dir):
     from model.mask_kinds import MaskKind
     from model.masks import default_mask_inputs
 
-    config = from_dict(json.loads((serve_export_dir / "metadata.json").read_text())["config"])
+    config = from_dict(json.loads((export_dir / "metadata.json").read_text())["config"])
     model = build_encoder(config)
 
     def reference(ids, kind=MaskKind.BIDIRECTIONAL, *, window=0, step=1, causal=False, custom=None):
@@ -180,6 +180,18 @@ def serve_reference(serve_export_dir):
         return hidden[0].numpy(), pooled[0].numpy()
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def reference_for():
+    """pytorch_reference, for tests that export a model of their own."""
+    return pytorch_reference
+
+
+@pytest.fixture(scope="session")
+def serve_reference(serve_export_dir):
+    """pytorch_reference for the session's serve export."""
+    return pytorch_reference(serve_export_dir)
 
 
 # --- reliability fixtures (tests/test_reliability_*.py, docs/reliability.md) ------------------------

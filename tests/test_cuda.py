@@ -51,26 +51,10 @@ def cuda_export_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(cuda_export_dir):
+def reference(reference_for, cuda_export_dir):
     """reference(ids, **mask options) -> (hidden [T, D], mean [D]) from the PyTorch model, on CPU."""
-    import torch
-
-    from model.config import from_dict
-    from model.encoder import build_encoder
-    from model.masks import default_mask_inputs
-
-    config = from_dict(json.loads((cuda_export_dir / "metadata.json").read_text())["config"])
-    model = build_encoder(config)
-
-    def run(ids, mask=MaskKind.BIDIRECTIONAL, window=0, step=1, causal=False):
-        x = torch.as_tensor(np.asarray(ids, np.int64))[None]
-        attention = torch.ones_like(x)
-        masks = default_mask_inputs(attention, mask, window=window, step=step or 1, causal=causal)
-        with torch.no_grad():
-            hidden, pooled = model(x, attention, *masks.values())
-        return hidden[0].numpy(), pooled[0].numpy()
-
-    return run
+    run = reference_for(cuda_export_dir)
+    return lambda ids, mask=MaskKind.BIDIRECTIONAL, **options: run(ids, mask, **options)
 
 
 @pytest.fixture(scope="module")
