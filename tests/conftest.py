@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
+from tests.subprocess_env import REPO, repo_env
 
 # --- model / export fixtures (lead) ------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,7 +127,7 @@ def serve_start(tmp_path_factory):
     def start(export_dir: Path, *flags: str, wait: bool = True, timeout: float = 60.0) -> ServeProcess:
         workdir = tmp_path_factory.mktemp("serve-proc")
         port_file, log_path = workdir / "ports.json", workdir / "server.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = repo_env()
         proc = subprocess.Popen(
             [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", "0", "--port-file", str(port_file), *flags],

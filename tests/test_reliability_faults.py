@@ -8,7 +8,6 @@ exit 0, drained. Here we add: every request admitted before SIGTERM answers OK a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve.client import EncoderClient, build_request, parse_response
 from serve.pb import pb_grpc
 from tests.reliability_common import InProcessServer, corrupt_export, count, wait_until
+from tests.subprocess_env import REPO, repo_env
 
-REPO = Path(__file__).resolve().parent.parent
 ATOL = 1e-4
 POISON = 99
 
@@ -116,7 +115,7 @@ def _start(export_dir: Path, port: int, workdir: Path, *flags: str) -> tuple[sub
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
          "--port", str(port), "--metrics-port", "-1", "--port-file", str(port_file), *flags],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+        cwd=REPO, env=repo_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"),
     )
     assert wait_until(lambda: port_file.exists() or proc.poll() is not None, 60), log.read_text()
     assert proc.poll() is None, log.read_text()
@@ -216,7 +215,7 @@ def test_a_broken_model_at_start_exits_nonzero_with_a_clear_error_and_never_serv
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "--export-dir", str(broken), "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "-1", "--port-file", str(port_file)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+        cwd=REPO, env=repo_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"),
     )
     statuses = set()
     try:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -16,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve.app import create_server, default_backend
 from serve.client import EncoderClient
 from serve.config import ServerConfig
+from tests.subprocess_env import REPO, repo_env
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _health(target: str) -> int:
@@ -117,7 +115,7 @@ def test_device_cuda_on_a_cpu_only_host_fails_at_startup_with_a_clear_message(se
     result = subprocess.run(
         [sys.executable, "-m", "serve", "--device", "cuda", "--port", "0", "--metrics-port", "-1",
          "--export-dir", str(serve_export_dir)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0
     assert "startup_failed" in result.stderr
@@ -133,7 +131,7 @@ def test_a_changed_graph_is_refused_at_startup(serve_export_dir, tmp_path):
         handle.write(b"\0")
     result = subprocess.run(
         [sys.executable, "-m", "serve", "--port", "0", "--metrics-port", "-1", "--export-dir", str(copy)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0
     assert "does not match metadata.json" in result.stderr

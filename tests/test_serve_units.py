@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,8 +24,8 @@ from serve.core import EncodeRequest, Limits, MaskChoice, to_rows
 from serve.export_dir import ExportError, load_export
 from serve.pb import pb
 from serve.tensors import from_numpy, to_numpy
+from tests.subprocess_env import REPO, repo_env
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = EncoderConfig(d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=50, max_positions=32)
 
 
@@ -263,5 +261,5 @@ assert not any(name == "torch" or name.startswith("torch.") for name in sys.modu
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env=repo_env())
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
