@@ -12,6 +12,8 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from bench import model_bench as mb
 from bench import server_bench as sb
 from model.config import EncoderConfig
@@ -46,6 +48,7 @@ class BenchOptions:
     latency_requests: int = 300
     clients: int = 32
     client_length: int = 32
+    mixed_lengths: tuple = (8, 256)  # the mixed-length run: each client's length drawn from this range
     throughput_requests: int = 3000
     throughput_deadline_s: float = 20.0
     rss_checkpoints: tuple = (1000, 20000)
@@ -55,7 +58,8 @@ class BenchOptions:
     @classmethod
     def quick_defaults(cls, **overrides) -> "BenchOptions":
         base = dict(quick=True, points=((1, 16), (2, 32)), repeats=3, budget_s=1.0, latency_requests=20,
-                    clients=4, client_length=8, throughput_requests=40, throughput_deadline_s=10.0,
+                    clients=4, client_length=8, mixed_lengths=(2, 32), throughput_requests=40,
+                    throughput_deadline_s=10.0,
                     rss_checkpoints=(20, 60), tune=False)
         base.update(overrides)
         return cls(**base)
@@ -283,6 +287,33 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                                         "growth": (b - a) / a if a else None}
                     say(f"server RSS: idle {sb.rss_mb(idle):.1f} MiB, after {checkpoints[0]['requests']} requests "
                         f"{sb.rss_mb(a):.1f} MiB, after {served} {sb.rss_mb(b):.1f} MiB")
+    result["mixed_lengths"] = bench_mixed_lengths(config, export_dir, graph, threads, options, say)
+    return result
+
+
+def bench_mixed_lengths(config: EncoderConfig, export_dir: Path, graph: str, threads: int, options: BenchOptions,
+                        say) -> dict:
+    """(d) Batching on, clients of different lengths: length-sorted runs (the default) vs one padded
+    run per batch (--length-split false). Each client keeps its own length, drawn once (seeded)."""
+    low, high = options.mixed_lengths
+    high = min(high, config.max_positions)
+    lengths = np.random.default_rng(7).integers(low, high + 1, options.clients)
+    client_ids = [sb.token_ids(config.vocab_size, int(n), seed=200 + i) for i, n in enumerate(lengths)]
+    requests = max(len(client_ids), options.throughput_requests // 3)
+    result: dict = {"lengths": [int(n) for n in lengths]}
+    for mode in ("split", "one_run"):
+        flags = sb.server_flags(graph, threads, batching=True, length_split=(mode == "split")) + ["--device",
+                                                                                                  options.device]
+        with sb.running_server(str(export_dir), flags) as server:
+            sb.concurrent_load(server.target, client_ids, total_requests=2 * len(client_ids), deadline_s=600.0)
+            load = sb.concurrent_load(server.target, client_ids, total_requests=requests,
+                                      deadline_s=options.throughput_deadline_s, server_pid=server.pid)
+        load.update(flags=flags)
+        result[mode] = load
+        say(f"mixed lengths {low}-{high}, {mode}: {load['throughput_rps']:.1f} req/s, "
+            f"{load['tokens_per_s']:.0f} tokens/s (p50 {load['latency']['p50_ms']:.1f} ms; {load['requests']} requests)")
+    result["split_gain"] = (result["split"]["throughput_rps"] / result["one_run"]["throughput_rps"]
+                            if result["one_run"]["throughput_rps"] else None)
     return result
 
 
@@ -368,6 +399,16 @@ def format_table(report: dict) -> str:
             lines.append(f"  {name:12s} {t['throughput_rps']:8.1f} req/s  mean batch {t['mean_batch_size']:5.1f}  "
                          f"{t['clients']} clients  {t['requests']} requests  {t['errors']} errors  "
                          f"RSS idle {t['rss_idle_mb']:.0f} MiB, peak {t['rss_peak_mb']:.0f} MiB")
+        mixed = server.get("mixed_lengths")
+        if mixed:
+            lines.append(f"mixed lengths {min(mixed['lengths'])}-{max(mixed['lengths'])}, "
+                         f"{len(mixed['lengths'])} clients, batching on:")
+            for name, title in (("split", "length-sorted runs"), ("one_run", "one padded run (--length-split false)")):
+                t = mixed[name]
+                lines.append(f"  {title:38s} {t['throughput_rps']:8.1f} req/s  {t['tokens_per_s']:8.0f} tokens/s  "
+                             f"p50 {t['latency']['p50_ms']:7.1f} ms  p99 {t['latency']['p99_ms']:7.1f} ms")
+            if mixed.get("split_gain"):
+                lines.append(f"  length-sorted runs: {mixed['split_gain']:.2f}x the throughput")
         mem = server.get("memory") or {}
         if mem:
             marks = ", ".join(f"{c['requests']} req: {c['rss_mb']:.1f} MiB" for c in mem["checkpoints"])

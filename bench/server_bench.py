@@ -184,7 +184,7 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
     for client, request in zip(clients, requests):  # connect every channel before the clock starts
         client.stub.Encode(request, timeout=60.0)
     lock = threading.Lock()
-    state = {"sent": 0, "done": 0, "errors": 0}
+    state = {"sent": 0, "done": 0, "errors": 0, "tokens": 0}
     latencies: list[float] = []
     batch_sizes: list[int] = []
     inference_ms: list[float] = []
@@ -207,6 +207,7 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
             elapsed = 1e3 * (time.perf_counter() - t0)
             with lock:
                 state["done"] += 1
+                state["tokens"] += response.metadata.total_tokens
                 latencies.append(elapsed)
                 batch_sizes.append(response.metadata.batch_size)
                 inference_ms.append(response.metadata.timings.inference_ms)
@@ -229,6 +230,7 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
         client.close()
     return {"clients": len(clients), "requests": state["done"], "errors": state["errors"], "seconds": wall,
             "throughput_rps": state["done"] / wall if wall > 0 else 0.0,
+            "tokens_per_s": state["tokens"] / wall if wall > 0 else 0.0,
             "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
             # the server's own timings: mean session.run of the batch a request ran in, queue wait
             "mean_inference_ms": float(np.mean(inference_ms)) if inference_ms else 0.0,
@@ -240,12 +242,12 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
 
 
 def server_flags(graph: str, threads: int, *, batching: bool, max_batch_size: int = 32,
-                 queue_delay_ms: float = 0.0) -> list[str]:
+                 queue_delay_ms: float = 0.0, length_split: bool = True) -> list[str]:
     """Flags for one server run; batching off = one sequence per session.run."""
     size = max_batch_size if batching else 1
     return ["--graph", graph, "--intra-op-threads", str(threads), "--max-batch-size", str(size),
             "--max-sequences-per-request", str(min(size, 32)), "--max-queue-delay-ms",
-            str(queue_delay_ms if batching else 0.0)]
+            str(queue_delay_ms if batching else 0.0), "--length-split", str(length_split).lower()]
 
 
 def rss_mb(value: int) -> float:

@@ -6,6 +6,8 @@ in arrival order (FIFO: no request is starved by shorter ones) while the batch s
 max_batch_size rows and max_batch_tokens (rows x padded length). Each row carries its own mask
 kind, since the graph takes per-row mask inputs, so requests with different masks batch together.
 Padding is masked out of attention, so a row's result does not depend on its batch-mates.
+With a RunCost (ServerConfig.length_split), a batch of mixed lengths runs as length-sorted
+session.runs, each padded to its own longest row, where that saves work (serve/batch_plan.py).
 Cancelled and deadline-expired requests are dropped when the batch is formed.
 A batch whose inference fails is re-run request by request, so one bad request fails alone (INTERNAL).
 """
@@ -23,6 +25,7 @@ import numpy as np
 from model.config import EncoderConfig
 from serve import logs
 from serve.backend import Backend
+from serve.batch_plan import RunCost, plan_runs
 from serve.core import EncodeRequest, EncodeResult, Row, SequenceOutput, pad_batch
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
 
@@ -75,6 +78,7 @@ class Batcher:
         max_queue_delay_s: float,
         max_queue_size: int,
         observe: Callable[..., None] | None = None,
+        run_cost: RunCost | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
@@ -83,6 +87,7 @@ class Batcher:
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self._observe = observe or (lambda **_: None)
+        self.run_cost = run_cost  # None: one session.run per batch; else length-sorted runs (batch_plan)
         self._queue: collections.deque[Ticket] = collections.deque()
         self._queued_rows = 0
         self._cond = threading.Condition()
@@ -210,41 +215,93 @@ class Batcher:
                     ticket._finish(error=_wrap(alone))
 
     def _run_batch(self, batch: list[Ticket]) -> None:
-        rows = [row for ticket in batch for row in ticket.rows]
-        length = max(t.length for t in batch)
-        feeds = pad_batch(rows, length, self.config)
-        started = time.monotonic()
-        hidden, pooled = self.backend.encode(feeds)
-        inference_s = time.monotonic() - started
+        """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/batch_plan.py)
+        when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
+        has run, so short requests in a mixed batch come back first."""
+        slots = [(ticket, i) for ticket in batch for i in range(len(ticket.rows))]
+        if self.run_cost is None:
+            runs = [list(range(len(slots)))]
+        else:
+            runs = plan_runs([ticket.rows[i].length for ticket, i in slots], self.run_cost)
+        progress = {ticket: _Progress(ticket) for ticket in batch}
         provider = self.backend.info.execution_provider
-        self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s)
-        index = 0
-        for ticket in batch:
-            outputs = []
-            for i, row in enumerate(ticket.rows):
-                if not (np.isfinite(hidden[index, : row.length]).all() and np.isfinite(pooled[index]).all()):
-                    # finite but extreme raw features can overflow inside the model: never answer NaN
-                    bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
-                    if row.inputs.dtype.kind == "f":
-                        bad += f" (largest |feature| {float(np.abs(row.inputs).max()):.3g}); scale the features"
-                    outputs = None
-                    break
-                outputs.append(postprocess(ticket.request, hidden[index, : row.length], pooled[index]))
-                index += 1
-            if outputs is None:
-                index += len(ticket.rows) - i
-                ticket._finish(error=ValidationError(bad))
-                continue
-            ticket._finish(EncodeResult(
-                request_id=ticket.request.request_id,
-                outputs=tuple(outputs),
-                queue_s=started - ticket.enqueued,
-                inference_s=inference_s,
-                batch_size=len(rows),
-                batch_length=length,
-                execution_provider=provider,
-                token_counts=tuple(row.length for row in ticket.rows),
-            ))
+        for number, run in enumerate(runs):
+            members = [slots[k] for k in run]
+            rows = [ticket.rows[i] for ticket, i in members]
+            length = max(row.length for row in rows)
+            feeds = pad_batch(rows, length, self.config)
+            started = time.monotonic()
+            hidden, pooled = self.backend.encode(feeds)
+            inference_s = time.monotonic() - started
+            tokens = sum(row.length for row in rows)
+            self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
+                          padding_tokens=len(rows) * length - tokens)
+            for index, (ticket, i) in enumerate(members):
+                row = rows[index]
+                progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],
+                                     run=number, started=started, inference_s=inference_s,
+                                     batch_size=len(rows), batch_length=length)
+            for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
+                if progress[ticket].complete and not ticket.done():
+                    progress[ticket].finish(provider)
+
+
+class _Progress:
+    """One ticket's rows as their runs complete; `finish` answers it once all have run."""
+
+    __slots__ = ("ticket", "outputs", "left", "first_start", "inference_s", "last_run", "batch_size",
+                 "batch_length", "error")
+
+    def __init__(self, ticket: Ticket) -> None:
+        self.ticket = ticket
+        self.outputs: list[SequenceOutput | None] = [None] * len(ticket.rows)
+        self.left = len(ticket.rows)
+        self.first_start: float | None = None
+        self.inference_s = 0.0
+        self.last_run = -1  # the latest run this ticket took part in (its time counts once per run)
+        self.batch_size = self.batch_length = 0
+        self.error: ValidationError | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.left == 0 or self.error is not None
+
+    def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
+            inference_s: float, batch_size: int, batch_length: int) -> None:
+        if self.error is not None:
+            return
+        if self.first_start is None:
+            self.first_start = started
+        if run != self.last_run:
+            self.last_run = run
+            self.inference_s += inference_s
+        # runs go shortest first, so the last run a ticket is in holds its longest row: report that one
+        self.batch_size, self.batch_length = batch_size, batch_length
+        self.left -= 1
+        if not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
+            # finite but extreme raw features can overflow inside the model: never answer NaN
+            bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
+            if row.inputs.dtype.kind == "f":
+                bad += f" (largest |feature| {float(np.abs(row.inputs).max()):.3g}); scale the features"
+            self.error = ValidationError(bad)
+            return
+        self.outputs[i] = postprocess(self.ticket.request, hidden, pooled)
+
+    def finish(self, provider: str) -> None:
+        ticket = self.ticket
+        if self.error is not None:
+            ticket._finish(error=self.error)
+            return
+        ticket._finish(EncodeResult(
+            request_id=ticket.request.request_id,
+            outputs=tuple(self.outputs),
+            queue_s=self.first_start - ticket.enqueued,
+            inference_s=self.inference_s,
+            batch_size=self.batch_size,
+            batch_length=self.batch_length,
+            execution_provider=provider,
+            token_counts=tuple(row.length for row in ticket.rows),
+        ))
 
 
 def _wrap(error: BaseException) -> ServeError:

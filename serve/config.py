@@ -40,6 +40,12 @@ class ServerConfig:
     # while a batch runs form the next batch anyway (measured faster here: docs/performance.md).
     max_queue_delay_ms: float = 0.0
     max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
+    # Run a batch of mixed lengths as length-sorted session.runs, each padded to its own longest row,
+    # when the padding saved pays for the extra runs; the per-run cost is measured on the backend at
+    # start (serve/batch_plan.py). Batches still form in arrival order. Off: one run per batch.
+    length_split: bool = True
+    # the fixed cost of one session.run in token-equivalents for length_split, pinned (-1: measured at start)
+    split_overhead_tokens: float = -1.0
     max_sequences_per_request: int = 32
     max_request_bytes: int = 16 * 1024 * 1024
     workers: int = 32  # gRPC handler threads
@@ -77,6 +83,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: set both to serve TLS, or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key: client certificates need TLS")
+        if self.split_overhead_tokens < 0 and self.split_overhead_tokens != -1:
+            raise ValueError(f"split_overhead_tokens must be >= 0, or -1 to measure it, got {self.split_overhead_tokens}")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
 

@@ -23,12 +23,15 @@ class Metrics:
         self.batch_size = Histogram("encoder_batch_size", "Rows per session.run", buckets=_BATCH, registry=r)
         self.batch_tokens = Histogram("encoder_batch_tokens", "Rows x padded length per session.run",
                                       buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
+        self.padding_tokens = Counter("encoder_padding_tokens", "Padding computed: rows x padded length minus "
+                                      "the rows' own tokens, over all session.runs", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
         self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
         self._http = None
 
     def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
-                        batch_tokens: int | None = None, inference_s: float | None = None) -> None:
+                        batch_tokens: int | None = None, inference_s: float | None = None,
+                        padding_tokens: int | None = None) -> None:
         if queue_depth is not None:
             self.queue_depth.set(queue_depth)
         if batch_size is not None:
@@ -37,6 +40,8 @@ class Metrics:
             self.batch_tokens.observe(batch_tokens)
         if inference_s is not None:
             self.inference_seconds.observe(inference_s)
+        if padding_tokens is not None:
+            self.padding_tokens.inc(padding_tokens)
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts /metrics; returns the bound port (port 0: the OS chooses)."""

@@ -3,7 +3,8 @@
 `build_engine` is the whole load path (start-up and reload share it): read metadata.json and check
 the graph's sha256 (serve/export_dir.py), create and check the session, warm up, then `probe`: one
 real inference whose outputs must have the config's shapes and be finite. Only an engine that
-passed all of that is ever served.
+passed all of that is ever served. With length_split on, a few timed dummy runs then measure the
+backend's cost per session.run for the batcher's length-sorted runs (serve/batch_plan.py).
 
 `reload_model(server, export_dir)` builds the new engine beside the old one while the old keeps
 serving, then swaps the server's engine reference under its lock (one assignment: a request sees
@@ -22,8 +23,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from serve import logs
+from model.config import EncoderConfig
+from serve import batch_plan, logs
 from serve.backend import CUDA, Backend, dummy_batch
+from serve.batch_plan import RunCost
 from serve.batcher import Batcher
 from serve.config import ServerConfig
 from serve.engine import Engine
@@ -56,6 +59,21 @@ def probe(backend: Backend, export: ExportDir) -> None:
         raise BackendError(f"{export.graph_path}: probe inference produced NaN or infinity")
 
 
+def run_cost_for(backend: Backend, config: EncoderConfig, server: ServerConfig) -> RunCost | None:
+    """The backend's cost per session.run for length-sorted runs (serve/batch_plan.py): pinned by
+    split_overhead_tokens, or measured with a few dummy runs; logged. None: length_split is off."""
+    if not server.length_split:
+        return None
+    if server.split_overhead_tokens >= 0:
+        cost = RunCost.for_config(config, server.split_overhead_tokens)
+    else:
+        run = batch_plan.timer(lambda rows, length: backend.encode(dummy_batch(config, rows, length)))
+        cost = batch_plan.calibrate(run, config, max_rows=server.max_batch_size)
+    logs.event(log, "run_cost", overhead_tokens=f"{cost.overhead_tokens:.1f}",
+               attention_width=f"{cost.attention_width:.0f}")
+    return cost
+
+
 def auto_graphs(device: str) -> tuple[str, ...]:
     """What graph "auto" prefers (else fp32): the fastest variant within fp32's parity bound."""
     import onnxruntime as ort
@@ -72,11 +90,12 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
     warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
     backend.health()
     probe(backend, export)
+    run_cost = run_cost_for(backend, export.config, config)
     batcher = Batcher(
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
-        observe=observe,
+        observe=observe, run_cost=run_cost,
     )
     engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
     batcher.start()

@@ -28,5 +28,7 @@ def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
         assert server["throughput"][mode]["requests"] > 0
         assert server["throughput"][mode]["errors"] == 0
     assert len(server["memory"]["checkpoints"]) == 2
+    for mode in ("split", "one_run"):  # mixed lengths: length-sorted runs vs one padded run per batch
+        assert server["mixed_lengths"][mode]["requests"] > 0 and server["mixed_lengths"][mode]["errors"] == 0
     assert {t["target"] for t in report["targets"]} >= {"int8_vs_ort_fp32@8x256", "rss_growth_1k_to_20k"}
     assert "targets:" in capsys.readouterr().out

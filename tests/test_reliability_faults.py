@@ -43,8 +43,10 @@ def _health(target: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def slow_batch_server(serve_export_dir):
-    """In-process server whose batches wait 1 s for company, with the poison-token fault on."""
-    server = InProcessServer(serve_export_dir, max_queue_delay_ms=1000.0, fault_inject=f"poison_token={POISON}")
+    """In-process server whose batches wait 1 s for company, with the poison-token fault on; one
+    session.run per batch (no length split), so a run's batch_size counts exactly the batch's survivors."""
+    server = InProcessServer(serve_export_dir, max_queue_delay_ms=1000.0, fault_inject=f"poison_token={POISON}",
+                             length_split=False)
     yield server
     assert server.stop()
 

@@ -243,3 +243,45 @@ def test_metrics_count_requests_by_method_and_status(server, client):
     text = server.metrics()
     assert re.search(r'^encoder_requests_total\{code="OK",method="Encode"\} [1-9]', text, re.M)
     assert "encoder_queue_depth" in text and "encoder_inference_seconds_bucket" in text
+
+
+# --- length-sorted runs (serve/batch_plan.py) ---------------------------------------------------
+@pytest.fixture(scope="module")
+def split_server(serve_start, serve_export_dir):
+    """Batches gather for 300 ms; the per-run cost is pinned at 50 tokens, so the runs are known in
+    advance: for this model (attention width 2*32+64 = 128), lengths 3 and 4 share a run, as do 100
+    and 110 (splitting them saves less than a run costs), while short and long rows run apart."""
+    process = serve_start(serve_export_dir, "--max-queue-delay-ms", "300", "--split-overhead-tokens", "50")
+    yield process
+    assert process.terminate() == 0, process.log()
+
+
+def _padding_tokens(server) -> float:
+    return float(re.search(r"^encoder_padding_tokens_total (\S+)", server.metrics(), re.M).group(1))
+
+
+def test_a_batch_of_mixed_lengths_runs_split_by_length_and_every_result_matches_pytorch(
+        split_server, serve_reference):
+    lengths = [3, 110, 4, 100]
+    sequences = [_ids(n, 500 + i) for i, n in enumerate(lengths)]
+    padding_before = _padding_tokens(split_server)
+    barrier = threading.Barrier(len(sequences))
+    outputs: list = [None] * len(sequences)
+
+    def call(i: int) -> None:
+        with EncoderClient(split_server.target, timeout=30, retries=0) as c:
+            barrier.wait()
+            outputs[i] = c.encode([sequences[i]], hidden_states=True)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(sequences))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for seq, out in zip(sequences, outputs):
+        hidden, mean = serve_reference(seq)
+        np.testing.assert_allclose(out.hidden_states[0], hidden, atol=ATOL, rtol=ATOL)
+        np.testing.assert_allclose(out.embeddings[0], mean, atol=ATOL, rtol=ATOL)
+    # the short pair ran padded to 4 and the long pair to 110, not all four padded to 110
+    assert [out.metadata.batch_sequence_length for out in outputs] == [4, 110, 4, 110]
+    assert _padding_tokens(split_server) - padding_before == (4 - 3) + (110 - 100)

@@ -18,6 +18,7 @@ from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve import errors, protogen
 from serve.backend import BackendInfo
+from serve.batch_plan import RunCost
 from serve.batcher import Batcher
 from serve.config import ServerConfig, load_config
 from serve.core import EncodeRequest, Limits, MaskChoice, to_rows
@@ -72,6 +73,14 @@ def test_cuda_provider_keeps_fp32_exact_with_tf32_off_unless_asked_for():
     assert choose_providers("cuda", 0, available, tf32=True)[0] == (CUDA, {"device_id": 0, "use_tf32": "1"})
     assert load_config(["--cuda-tf32", "true"], environ={}).cuda_tf32 is True
     assert ServerConfig().cuda_tf32 is False
+
+
+def test_length_split_is_on_by_default_and_its_run_cost_is_measured_unless_pinned():
+    assert ServerConfig().length_split is True and ServerConfig().split_overhead_tokens == -1
+    config = load_config(["--length-split", "false", "--split-overhead-tokens", "24"], environ={})
+    assert (config.length_split, config.split_overhead_tokens) == (False, 24.0)
+    with pytest.raises(ValueError, match="split_overhead_tokens must be >= 0, or -1"):
+        ServerConfig(split_overhead_tokens=-3)
 
 
 def test_config_bad_environment_value_names_the_variable():
@@ -227,6 +236,98 @@ def test_batcher_after_close_refuses_new_work_but_finishes_queued_work():
     backend.release.set()
     assert batcher.drain(5)
     assert all(t.wait(0).outputs for t in queued)
+    batcher.stop(5)
+
+
+class ShapeRecordingBackend(FakeBackend):
+    """FakeBackend that records (rows, padded length) per run and holds runs longer than `gate` until
+    `open` is set."""
+
+    def __init__(self, gate: int = 10_000) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+        self.gate, self.open = gate, threading.Event()
+
+    def encode(self, batch):
+        rows, length = batch["input_ids"].shape
+        self.shapes.append((rows, length))
+        if length > self.gate:
+            self.open.wait(10)
+        return super().encode(batch)
+
+
+def _submit_many(batcher, sequences):
+    request = EncodeRequest(tuple(np.int64(ids) for ids in sequences), hidden_states=True)
+    return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)))
+
+
+def test_batcher_with_a_run_cost_runs_mixed_lengths_as_length_sorted_runs():
+    backend = ShapeRecordingBackend()
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0))
+    lengths = (2, 30, 3, 28)
+    tickets = [_submit(batcher, list(range(1, n + 1))) for n in lengths]
+    results = [t.wait(5) for t in tickets]
+    assert backend.shapes == [(2, 3), (2, 30)]  # one batch, two runs: each padded to its own longest row
+    for n, result in zip(lengths, results):
+        np.testing.assert_array_equal(result.outputs[0].hidden_states[:, 0], np.arange(1, n + 1))
+        assert (result.batch_size, result.batch_length) == ((2, 3) if n <= 3 else (2, 30))
+    batcher.stop(5)
+
+
+def test_batcher_without_a_run_cost_pads_mixed_lengths_into_one_run():
+    backend = ShapeRecordingBackend()
+    batcher = _batcher(backend)
+    tickets = [_submit(batcher, list(range(1, n + 1))) for n in (2, 30, 3, 28)]
+    for t in tickets:
+        t.wait(5)
+    assert backend.shapes == [(4, 30)]
+    batcher.stop(5)
+
+
+def test_short_requests_of_a_split_batch_are_answered_before_the_long_run_ends():
+    backend = ShapeRecordingBackend(gate=10)
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0))
+    short, long = _submit(batcher, [1, 2]), _submit(batcher, list(range(1, 31)))
+    assert short.wait(5).batch_length == 2
+    assert not long.done()  # its run is still held by the backend
+    backend.open.set()
+    assert long.wait(5).batch_length == 30
+    batcher.stop(5)
+
+
+def test_a_request_whose_rows_fall_in_different_runs_gets_every_row_in_its_own_order():
+    backend = ShapeRecordingBackend()
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0))
+    both = _submit_many(batcher, [list(range(1, 31)), [7, 8]])
+    other = _submit(batcher, [5, 6, 7])
+    result = both.wait(5)
+    other.wait(5)
+    assert backend.shapes == [(2, 3), (1, 30)]
+    np.testing.assert_array_equal(result.outputs[0].hidden_states[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(result.outputs[1].hidden_states[:, 0], [7, 8])
+    assert result.token_counts == (30, 2) and result.batch_length == 30
+    batcher.stop(5)
+
+
+class PoisonBackend(ShapeRecordingBackend):
+    """Fails any run that holds token 13."""
+
+    def encode(self, batch):
+        if (batch["input_ids"] == 13).any():
+            self.shapes.append(batch["input_ids"].shape)
+            raise RuntimeError("poisoned run")
+        return super().encode(batch)
+
+
+def test_a_failing_run_of_a_split_batch_fails_only_the_request_that_poisons_it():
+    backend = PoisonBackend()
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0))
+    short = _submit(batcher, [1, 2])
+    good_long, bad_long = _submit(batcher, [3] * 30), _submit(batcher, [13] * 29)
+    assert short.wait(5).batch_length == 2  # its run succeeded before the long run failed
+    assert good_long.wait(5).batch_size == 1  # re-run alone after the shared run failed
+    with pytest.raises(errors.ServeError, match="poisoned run"):
+        bad_long.wait(5)
     batcher.stop(5)
 
 
