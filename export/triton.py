@@ -74,7 +74,7 @@ def _tensor_block(key: str, spec: dict) -> str:
     if not dims or dims[0] != BATCH_AXIS:
         raise TritonRepoError(f"{key} {name!r}: first axis must be {BATCH_AXIS!r}, got {dims}")
     rest = [d if isinstance(d, int) else -1 for d in dims[1:]]
-    lines = [f"  {{", f'    name: "{name}"', f"    data_type: {TRITON_DTYPES[dtype]}"]
+    lines = ["  {", f'    name: "{name}"', f"    data_type: {TRITON_DTYPES[dtype]}"]
     if rest:
         lines.append(f"    dims: [ {', '.join(str(d) for d in rest)} ]")
     else:  # a per-row scalar: Triton needs a non-empty dims, so [1] reshaped to [] per row

@@ -21,13 +21,12 @@ from model.checkpoint import (
     encoder_config_from_hf,
     load_pretrained,
     load_state_dict_file,
-    load_tokenizer,
     minilm_path,
     save_state_dict_file,
     tokenize,
 )
 from model.config import EncoderConfig
-from model.encoder import Encoder, build_encoder
+from model.encoder import build_encoder
 from model.masks import default_mask_inputs
 from model.pooling import l2_normalize
 
