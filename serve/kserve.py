@@ -9,10 +9,14 @@ The v2 view of the served export (ModelMetadata says the same):
            attention_mask  INT64|INT32 [B, T]     optional; 1s then 0s per row (right padding),
                                                   default all ones
            custom_mask     BOOL [T, T] or [B, T, T]  only with mask_kind=custom
+           texts           BYTES [B]              UTF-8 texts instead of input_ids, for exports with a
+                                                  tokenizer (serve/text.py, as Encode's `texts`)
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
            embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
   request parameters (all optional): mask_kind (label or int), window, step, causal,
-           pooling ("mean" | "first" | "none"), normalize
+           pooling ("mean" | "first" | "none"), normalize, truncate (texts over the tokenizer's
+           max_length are cut instead of refused)
+  With texts, T of last_hidden_state is the longest text's token count.
 Only the requested outputs are computed (none requested: all of them, as the protocol says).
 
 Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto,
@@ -127,6 +131,39 @@ def _mask_kind(params) -> MaskKind:
                           f"expected one of {', '.join(k.label for k in MaskKind)}")
 
 
+def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
+    """A BYTES input as UTF-8 strings: typed `bytes_contents`, or raw contents in the v2 / Triton
+    serialisation (per element a 4-byte little-endian length, then that many bytes)."""
+    name = f"inputs[{tensor.name}]"
+    if tensor.datatype != "BYTES":
+        raise ValidationError(f"{name}.datatype: {tensor.datatype!r}; texts are BYTES (UTF-8 strings)")
+    shape = [int(d) for d in tensor.shape]
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValidationError(f"{name}.shape: {shape} must be [B] with B >= 1")
+    if raw is None:
+        items = list(tensor.contents.bytes_contents)
+    else:
+        items, offset = [], 0
+        while offset < len(raw):
+            if offset + 4 > len(raw):
+                raise ValidationError(f"{name} raw contents: truncated length prefix at byte {offset}")
+            size = int.from_bytes(raw[offset:offset + 4], "little")
+            if offset + 4 + size > len(raw):
+                raise ValidationError(f"{name} raw contents: element {len(items)} declares {size} bytes, "
+                                      f"{len(raw) - offset - 4} remain")
+            items.append(raw[offset + 4:offset + 4 + size])
+            offset += 4 + size
+    if len(items) != shape[0]:
+        raise ValidationError(f"{name}: {len(items)} elements for shape {shape}")
+    texts = []
+    for i, item in enumerate(items):
+        try:
+            texts.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValidationError(f"{name}[{i}]: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    return tuple(texts)
+
+
 def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     """One v2 input (raw bytes or typed contents) as numpy; ValidationError naming the input."""
     name = f"inputs[{tensor.name}]"
@@ -168,13 +205,18 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
         raise ValidationError(f"raw_input_contents: {len(msg.raw_input_contents)} entries for "
                               f"{len(msg.inputs)} inputs")
     raws = list(msg.raw_input_contents) or [None] * len(msg.inputs)
-    tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws)}
+    texts = next((texts_from_v2(t, raw) for t, raw in zip(msg.inputs, raws) if t.name == "texts"), None)
+    tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws) if t.name != "texts"}
     first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
-    known = {first, "attention_mask", "custom_mask"}
-    unknown = sorted(set(tensors) - known)
+    known = {first, "attention_mask", "custom_mask"} | ({"texts"} if engine.export.has_tokenizer else set())
+    unknown = sorted((set(tensors) | ({"texts"} if texts is not None else set())) - known)
     if unknown:
         raise ValidationError(f"inputs: unknown input(s) {', '.join(unknown)}; this model takes "
                               f"{', '.join(sorted(known))}")
+    if texts is not None:
+        if tensors:
+            raise ValidationError(f"inputs: send either texts or {first} (with its masks), not both")
+        return _text_request(msg, engine, texts)
     if first not in tensors:
         raise ValidationError(f"inputs: missing {first}")
     ids = tensors[first]
@@ -183,9 +225,15 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
                               f"with B >= 1")
     batch, length = int(ids.shape[0]), int(ids.shape[1])
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
-    params = msg.parameters
     custom = _cut_custom(tensors.get("custom_mask"), lengths)
-    pooling = str(_param(params, "pooling", engine.export.default_pooling))
+    request, requested = _request(msg, engine, sequences=tuple(row[:n] for row, n in zip(ids, lengths)),
+                                  mask=_mask(msg.parameters, custom))
+    return request, requested, length
+
+
+def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
+    """Our request for `inputs` (sequences or texts, and the mask) with the outputs `msg` asks for."""
+    pooling = str(_param(msg.parameters, "pooling", engine.export.default_pooling))
     if pooling not in POOLINGS:
         raise ValidationError(f"parameters.pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
     requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
@@ -195,15 +243,26 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
     if "embeddings" in requested and pooling == "none":
         raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
     request = EncodeRequest(
-        sequences=tuple(row[:n] for row, n in zip(ids, lengths)),
-        mask=MaskChoice(_mask_kind(params), _bool_param(params, "causal", False),
-                        _int_param(params, "window", 0), _int_param(params, "step", 1), custom),
         hidden_states="last_hidden_state" in requested,
         pooling=pooling if "embeddings" in requested else "none",
-        normalize=_bool_param(params, "normalize", engine.export.default_normalize),
+        normalize=_bool_param(msg.parameters, "normalize", engine.export.default_normalize),
         request_id=msg.id,
+        **inputs,
     )
-    return request, requested, length
+    return request, requested
+
+
+def _mask(params, custom: np.ndarray | None) -> MaskChoice:
+    return MaskChoice(_mask_kind(params), _bool_param(params, "causal", False),
+                      _int_param(params, "window", 0), _int_param(params, "step", 1), custom)
+
+
+def _text_request(msg, engine: Engine, texts: tuple[str, ...]) -> tuple[EncodeRequest, list[str], int]:
+    """Texts go through the Engine's tokenizer like Encode's `texts`; the padded length T of the
+    response is known only once they are tokenized (0 here: response_to_v2 takes the longest)."""
+    request, requested = _request(msg, engine, sequences=(), texts=texts, mask=_mask(msg.parameters, None),
+                                  truncate=_bool_param(msg.parameters, "truncate", False))
+    return request, requested, 0
 
 
 def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | None:
@@ -224,6 +283,7 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
     for name in requested:
         if name == "last_hidden_state":
             rows = [o.hidden_states for o in result.outputs]
+            length = length or max(hidden.shape[0] for hidden in rows)  # texts: the longest tokenized text
             array = np.zeros((len(rows), length, rows[0].shape[-1]), np.float32)
             for i, hidden in enumerate(rows):
                 array[i, : hidden.shape[0]] = hidden
@@ -301,10 +361,11 @@ class KServeServicer:
                 first = T(name="input_ids", datatype="INT64", shape=[-1, -1])
             else:
                 first = T(name="inputs_embeds", datatype="FP32", shape=[-1, -1, config.d_model])
+            texts = [T(name="texts", datatype="BYTES", shape=[-1])] if engine.export.has_tokenizer else []
             return M["ModelMetadataResponse"](
                 name=engine.export.name, versions=[MODEL_VERSION], platform=PLATFORM,
                 inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
-                        T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1])],
+                        T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
                 outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
                          T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
             )

@@ -139,3 +139,45 @@ def test_unknown_model_and_out_of_range_ids_are_rejected(v2):
 def test_v2_requests_are_counted_in_metrics(server, v2):
     infer(v2, np.array([[1, 2]], np.int64))
     assert 'method="v2.ModelInfer"' in server.metrics()
+
+
+# --- the BYTES `texts` input, decoded (serve/kserve.texts_from_v2; served texts: test_text_serving.py) ---
+def _texts_tensor(shape, contents=()):
+    from serve.kserve import M
+
+    tensor = M["ModelInferRequest"].InferInputTensor(name="texts", datatype="BYTES", shape=shape)
+    tensor.contents.bytes_contents.extend(contents)
+    return tensor
+
+
+def _length_prefixed(*items: bytes) -> bytes:
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def test_texts_come_from_typed_contents_or_length_prefixed_raw_bytes():
+    from serve.kserve import texts_from_v2
+
+    assert texts_from_v2(_texts_tensor([2], ["héllo".encode(), b"x"]), None) == ("héllo", "x")
+    assert texts_from_v2(_texts_tensor([2]), _length_prefixed("héllo".encode(), b"")) == ("héllo", "")
+
+
+@pytest.mark.parametrize("shape, raw, match", [
+    ([2], _length_prefixed(b"ok", b"\xff\xfe"), r"inputs\[texts\]\[1\]: not valid UTF-8"),
+    ([1], b"\x05\x00\x00\x00ab", r"element 0 declares 5 bytes, 2 remain"),
+    ([1], _length_prefixed(b"ok") + b"\x01", r"truncated length prefix at byte 6"),
+    ([3], _length_prefixed(b"a", b"b"), r"2 elements for shape \[3\]"),
+    ([1, 2], _length_prefixed(b"a", b"b"), r"shape: \[1, 2\] must be \[B\]"),
+])
+def test_malformed_texts_name_the_input_and_what_is_wrong(shape, raw, match):
+    from serve.errors import ValidationError
+    from serve.kserve import texts_from_v2
+
+    with pytest.raises(ValidationError, match=match):
+        texts_from_v2(_texts_tensor(shape), raw)
+
+
+def test_texts_to_a_model_without_tokenizer_is_an_unknown_input(v2):
+    texts = grpcclient.InferInput("texts", [1], "BYTES")
+    texts.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="unknown input.*texts"):
+        v2.infer("serve-test", [texts])

@@ -262,3 +262,69 @@ def test_server_refuses_a_tokenizer_that_changed_after_export(serve_start, text_
     assert server.proc.wait(60) == 1
     log = server.log()
     assert "startup_failed" in log and "tokenizer.json: sha256" in log and "does not match metadata.json" in log
+
+
+# --- texts over KServe v2 (serve/kserve.py): a BYTES input named `texts` -------------------------
+@pytest.fixture(scope="module")
+def v2(text_server, client):
+    """(tritonclient.grpc client, the served model's name)."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    v2_client = grpcclient.InferenceServerClient(url=text_server.target)
+    yield v2_client, client.model_info().name
+    v2_client.close()
+
+
+def _v2_texts(v2, texts, outputs=("embeddings",), **parameters):
+    import tritonclient.grpc as grpcclient
+
+    v2_client, name = v2
+    tensor = grpcclient.InferInput("texts", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
+    return v2_client.infer(name, [tensor], outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                           parameters=parameters or None)
+
+
+def test_v2_model_metadata_lists_the_texts_input(v2):
+    v2_client, name = v2
+    inputs = {t.name: (t.datatype, list(t.shape)) for t in v2_client.get_model_metadata(name).inputs}
+    assert inputs["texts"] == ("BYTES", [-1])
+
+
+def test_v2_texts_give_encode_embeddings_and_match_sentence_transformers(v2, client, sentence_model):
+    out = _v2_texts(v2, TEXTS, outputs=("embeddings", "last_hidden_state"))
+    embeddings, hidden = out.as_numpy("embeddings"), out.as_numpy("last_hidden_state")
+    expected = sentence_model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
+    assert_matches_sentence_transformers(embeddings, expected)
+    by_encode = client.embed(TEXTS, hidden_states=True)
+    np.testing.assert_allclose(embeddings, by_encode.embeddings, atol=1e-6, rtol=0)
+    longest = max(by_encode.token_counts)
+    assert hidden.shape == (len(TEXTS), longest, embeddings.shape[1])
+    for row, (states, count) in enumerate(zip(by_encode.hidden_states, by_encode.token_counts)):
+        np.testing.assert_allclose(hidden[row, :count], states, atol=1e-6, rtol=0)
+        assert not hidden[row, count:].any()  # zeros at padding, as for input_ids
+
+
+def test_v2_too_long_text_is_refused_unless_the_truncate_parameter_is_set(v2, sentence_model):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as error:
+        _v2_texts(v2, ["fine", OVER_LIMIT])
+    assert "INVALID_ARGUMENT" in str(error.value.status())
+    assert "texts[1]" in error.value.message() and f"max_text_tokens={MAX_TEXT_TOKENS}" in error.value.message()
+    out = _v2_texts(v2, ["fine", OVER_LIMIT], truncate=True)
+    expected = sentence_model.encode(["fine", OVER_LIMIT], normalize_embeddings=True, convert_to_numpy=True)
+    assert_matches_sentence_transformers(out.as_numpy("embeddings"), expected)
+
+
+def test_v2_texts_with_input_ids_is_invalid_argument(v2):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    v2_client, name = v2
+    texts = grpcclient.InferInput("texts", [1], "BYTES")
+    texts.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    ids = grpcclient.InferInput("input_ids", [1, 3], "INT64")
+    ids.set_data_from_numpy(np.array([[101, 7592, 102]], dtype=np.int64))
+    with pytest.raises(InferenceServerException) as error:
+        v2_client.infer(name, [texts, ids])
+    assert "INVALID_ARGUMENT" in str(error.value.status()) and "either texts or input_ids" in error.value.message()
