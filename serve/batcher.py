@@ -301,6 +301,7 @@ class _Progress:
             batch_length=self.batch_length,
             execution_provider=provider,
             token_counts=tuple(row.length for row in ticket.rows),
+            truncated=ticket.request.truncated,
         ))
 
 

@@ -41,6 +41,7 @@ class EncodeOutput:
     hidden_states: list[np.ndarray] | None  # one float32 [T_i, D] per sequence, when asked for
     metadata: "pb.ResponseMetadata"
     token_counts: tuple[int, ...] = ()  # tokens per sequence / text (after truncation, special tokens included)
+    truncated: tuple[bool, ...] = ()  # texts only: which were cut to the model's max_text_tokens (truncate=True)
 
 
 def build_request(
@@ -79,6 +80,7 @@ def parse_response(response: "pb.EncodeResponse") -> EncodeOutput:
         hidden_states=hidden or None,
         metadata=response.metadata,
         token_counts=tuple(response.metadata.token_counts),
+        truncated=tuple(response.metadata.truncated),
     )
 
 

@@ -35,6 +35,7 @@ class EncodeRequest:
     request_id: str = ""
     texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/text.py)
     truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
+    truncated: tuple[bool, ...] = ()  # texts only, set by the Engine: which texts were cut
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class EncodeResult:
     batch_length: int
     execution_provider: str
     token_counts: tuple[int, ...] = ()  # tokens each sequence ran with (its row length)
+    truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
 
 
 @dataclass(frozen=True)

@@ -55,32 +55,37 @@ def run(client, args: argparse.Namespace, stdin: TextIO | None = None, stdout: T
         print("error: no texts (give them as arguments, or as lines on stdin)", file=sys.stderr)
         return 2
     size = args.batch_size or client.model_info().limits.max_sequences_per_request or 32
-    vectors, counts, metadata = [], [], None
+    vectors, counts, cut, metadata = [], [], [], None
     for start in range(0, len(texts), size):
         out = client.embed(texts[start:start + size], truncate=args.truncate, pooling=args.pooling,
                            normalize=args.normalize)
         vectors.append(out.embeddings)
         counts.extend(out.token_counts)
+        cut.extend(out.truncated)
         metadata = out.metadata
     embeddings = np.concatenate(vectors).astype(np.float32, copy=False)  # (N, D)
     if args.out is not None:
-        save(args.out, texts, embeddings, counts)
+        save(args.out, texts, embeddings, counts, cut)
     m = metadata
     print(f"model={m.model_name} provider={m.execution_provider} texts={len(texts)} dims={embeddings.shape[1]} "
-          f"tokens={sum(counts)}" + (f" saved={args.out}" if args.out is not None else ""), file=stdout)
+          f"tokens={sum(counts)} truncated={sum(cut)}" + (f" saved={args.out}" if args.out is not None else ""),
+          file=stdout)
     if args.out is None:
         for i, (text, vector, count) in enumerate(zip(texts, embeddings, counts)):
             shown = text if len(text) <= 40 else text[:37] + "..."
             head = [round(float(x), 4) for x in vector[:4]]
-            print(f"text[{i}] tokens={count} norm={np.linalg.norm(vector):.4f} head={head} {shown!r}", file=stdout)
+            flag = " truncated" if i < len(cut) and cut[i] else ""
+            print(f"text[{i}] tokens={count}{flag} norm={np.linalg.norm(vector):.4f} head={head} {shown!r}",
+                  file=stdout)
     return 0
 
 
-def save(path: Path, texts: list[str], embeddings: np.ndarray, counts: list[int]) -> None:
+def save(path: Path, texts: list[str], embeddings: np.ndarray, counts: list[int], cut: list[bool]) -> None:
     if path.suffix == ".npy":
         np.save(path, embeddings)
         return
     with open(path, "w", encoding="utf-8") as handle:
-        for i, (text, vector, count) in enumerate(zip(texts, embeddings, counts)):
-            record = {"index": i, "text": text, "tokens": int(count), "embedding": [float(x) for x in vector]}
+        for i, (text, vector, count, truncated) in enumerate(zip(texts, embeddings, counts, cut)):
+            record = {"index": i, "text": text, "tokens": int(count), "truncated": bool(truncated),
+                      "embedding": [float(x) for x in vector]}
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")

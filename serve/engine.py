@@ -74,7 +74,8 @@ class Engine:
             raise ValidationError(
                 f"texts: {n} texts exceed max_sequences_per_request={self.limits.max_sequences_per_request}"
             )
-        return dataclasses.replace(request, sequences=self.text.encode(request.texts, truncate=request.truncate))
+        sequences, truncated = self.text.encode(request.texts, truncate=request.truncate)
+        return dataclasses.replace(request, sequences=sequences, truncated=truncated)
 
     def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

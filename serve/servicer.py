@@ -82,6 +82,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
             batch_sequence_length=result.batch_length,
             token_counts=list(result.token_counts),
             total_tokens=sum(result.token_counts),
+            truncated=list(result.truncated),
         ),
     )
 

@@ -74,8 +74,10 @@ class TextTokenizer:
             )
         return cls(path, max_length, export.config)
 
-    def encode(self, texts: Sequence[str], *, truncate: bool = False) -> tuple[np.ndarray, ...]:
-        """int64 [T_i] token ids per text (special tokens included); ValidationError names `texts[i]`."""
+    def encode(self, texts: Sequence[str], *, truncate: bool = False
+               ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...]]:
+        """(int64 [T_i] token ids per text (special tokens included), whether each was truncated);
+        ValidationError names `texts[i]`."""
         for i, text in enumerate(texts):
             if not text:
                 raise ValidationError(f"texts[{i}]: empty text; send at least one character")
@@ -90,4 +92,6 @@ class TextTokenizer:
         if over:
             for i, encoding in zip(over, self._cut.encode_batch([texts[i] for i in over])):
                 encodings[i] = encoding
-        return tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings)
+        cut = set(over)
+        return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
+                tuple(i in cut for i in range(len(encodings))))

@@ -117,6 +117,7 @@ def test_text_embeddings_match_sentence_transformers(client, sentence_model, ber
     np.testing.assert_allclose(np.linalg.norm(out.embeddings, axis=1), 1.0, atol=1e-6)
     assert list(out.token_counts) == reference_token_counts(bert, TEXTS)
     assert out.metadata.total_tokens == sum(out.token_counts)
+    assert out.truncated == (False,) * len(TEXTS)  # AT_LIMIT fits exactly: 256 tokens, not cut
 
 
 def test_each_text_alone_equals_the_batch(client):
@@ -149,6 +150,7 @@ def test_token_ids_still_work_and_equal_the_text_route(client, bert):
     by_text = client.embed(TEXTS[:3])
     np.testing.assert_allclose(by_ids.embeddings, by_text.embeddings, atol=1e-6, rtol=0)
     assert list(by_ids.token_counts) == [len(x) for x in ids]
+    assert by_ids.truncated == ()  # a text-only flag
 
 
 def test_pooling_and_normalize_can_be_overridden(client, sentence_model):
@@ -176,6 +178,7 @@ def test_truncate_cuts_like_sentence_transformers(client, sentence_model):
     expected = sentence_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
     assert_matches_sentence_transformers(out.embeddings, expected)
     assert out.token_counts[:2] == (MAX_TEXT_TOKENS, MAX_TEXT_TOKENS) and out.token_counts[2] == 4
+    assert out.truncated == (True, True, False)
 
 
 @pytest.mark.parametrize("texts, index", [([""], 0), (["ok", ""], 1)])
@@ -209,7 +212,10 @@ def test_cli_embeds_arguments_and_stdin_lines(text_server, client, tmp_path, mon
     target = ["--target", text_server.target]
     assert client_main([*target, "embed", "some text", "more text"]) == 0
     summary = capsys.readouterr().out
-    assert "texts=2 dims=384" in summary and "text[1] tokens=4 norm=1.0000" in summary
+    assert "texts=2 dims=384" in summary and "truncated=0" in summary and "text[1] tokens=4 norm=1.0000" in summary
+    assert client_main([*target, "embed", "--truncate", "short", OVER_LIMIT]) == 0
+    summary = capsys.readouterr().out
+    assert "truncated=1" in summary and f"text[1] tokens={MAX_TEXT_TOKENS} truncated" in summary
 
     npy = tmp_path / "v.npy"
     monkeypatch.setattr(sys, "stdin", io.StringIO("some text\n\nmore text\r\n"))
@@ -221,7 +227,8 @@ def test_cli_embeds_arguments_and_stdin_lines(text_server, client, tmp_path, mon
     monkeypatch.setattr(sys, "stdin", io.StringIO("some text\nmore text\n"))
     assert client_main([*target, "embed", "--out", str(jsonl)]) == 0
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert [(r["index"], r["text"], r["tokens"]) for r in records] == [(0, "some text", 4), (1, "more text", 4)]
+    assert [(r["index"], r["text"], r["tokens"], r["truncated"]) for r in records] == [
+        (0, "some text", 4, False), (1, "more text", 4, False)]
     np.testing.assert_allclose(np.array([r["embedding"] for r in records]), expected, atol=1e-6, rtol=0)
 
     assert client_main([*target, "embed", ""]) == 1
