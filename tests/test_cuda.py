@@ -9,13 +9,13 @@ no GPU exists.
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
 from model.mask_kinds import MaskKind
 from serve.client import EncoderClient
+from tests.concurrency import call_concurrently
 
 ort = pytest.importorskip("onnxruntime")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -128,21 +128,10 @@ def test_concurrent_requests_on_cuda_share_batches_and_match_single_requests(cud
     sequences = [_ids(3 + 5 * i, 100 + i) for i in range(16)]
     with EncoderClient(server.target, timeout=60, retries=0) as client:
         alone = [client.encode([seq]).embeddings[0] for seq in sequences]
-        together: list = [None] * len(sequences)
-        sizes: list = [0] * len(sequences)
-
-        def call(i: int) -> None:
-            out = client.encode([sequences[i]])
-            together[i], sizes[i] = out.embeddings[0], out.metadata.batch_size
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(sequences))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    for a, b in zip(alone, together):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    assert max(sizes) > 1
+        outputs = call_concurrently(lambda i: client.encode([sequences[i]]), len(sequences))
+    for a, out in zip(alone, outputs):
+        np.testing.assert_allclose(out.embeddings[0], a, atol=1e-5, rtol=0)
+    assert max(out.metadata.batch_size for out in outputs) > 1
 
 
 def test_tf32_opt_in_still_runs_on_cuda_within_the_fp16_cosine_bound(serve_start, cuda_export_dir, reference):

@@ -15,6 +15,7 @@ from model.mask_kinds import MaskKind
 from serve.client import EncoderClient, build_request
 from serve.pb import pb
 from serve.tensors import from_numpy
+from tests.concurrency import call_concurrently
 
 ATOL = 1e-4
 MAX_REQUEST_BYTES = 65536
@@ -123,17 +124,12 @@ def test_concurrent_mixed_mask_requests_are_batched_and_match_single_requests(cl
     count_before, ones_before = _batch_size_histogram(server)
 
     barrier = threading.Barrier(len(options))
-    together: list = [None] * len(options)
 
-    def call(i: int) -> None:
+    def call(i: int):
         barrier.wait()
-        together[i] = client.encode([sequences[i]], hidden_states=True, **options[i])
+        return client.encode([sequences[i]], hidden_states=True, **options[i])
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(options))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    together = call_concurrently(call, len(options))
 
     count_after, ones_after = _batch_size_histogram(server)
     # Every request was one sequence, so fewer batches than requests means they shared session.runs.
@@ -266,18 +262,13 @@ def test_a_batch_of_mixed_lengths_runs_split_by_length_and_every_result_matches_
     sequences = [_ids(n, 500 + i) for i, n in enumerate(lengths)]
     padding_before = _padding_tokens(split_server)
     barrier = threading.Barrier(len(sequences))
-    outputs: list = [None] * len(sequences)
 
-    def call(i: int) -> None:
+    def call(i: int):
         with EncoderClient(split_server.target, timeout=30, retries=0) as c:
             barrier.wait()
-            outputs[i] = c.encode([sequences[i]], hidden_states=True)
+            return c.encode([sequences[i]], hidden_states=True)
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(sequences))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    outputs = call_concurrently(call, len(sequences))
     for seq, out in zip(sequences, outputs):
         hidden, mean = serve_reference(seq)
         np.testing.assert_allclose(out.hidden_states[0], hidden, atol=ATOL, rtol=ATOL)
