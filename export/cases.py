@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from model.attention_paths import DENSE, LINEAR, PATH_KINDS, SPARSE
 from model.config import EncoderConfig
-from model.signature import input_names
 from model.mask_kinds import MaskKind
+from model.signature import input_names
 
 
 @dataclass(frozen=True)
@@ -92,29 +93,60 @@ def make_feeds(
     return feeds
 
 
+# The long-input paths' own cases (model/attention_paths.py): windows 0, small, and past the
+# sequence (the band covers everything), steps 1, small, and past the sequence (only the diagonal).
+LONG_MASKS = {
+    SPARSE: (
+        MaskSpec(MaskKind.SLIDING_WINDOW, window=0),
+        MaskSpec(MaskKind.SLIDING_WINDOW, window=2),
+        MaskSpec(MaskKind.SLIDING_WINDOW, window=5, causal=True),
+        MaskSpec(MaskKind.SLIDING_WINDOW, window=100),
+        MaskSpec(MaskKind.DILATED, step=1),
+        MaskSpec(MaskKind.DILATED, step=3),
+        MaskSpec(MaskKind.DILATED, step=2, causal=True),
+        MaskSpec(MaskKind.DILATED, step=100),
+        MaskSpec(MaskKind.LOCAL_STRIDED, window=1, step=4),
+        MaskSpec(MaskKind.LOCAL_STRIDED, window=2, step=5, causal=True),
+        MaskSpec(MaskKind.LOCAL_STRIDED, window=20, step=7),
+    ),
+    LINEAR: (MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL)),
+}
+# Rows of one batch on a long path: different kinds and windows, one step (the sparse path's rule).
+LONG_MIXED = {
+    SPARSE: [MaskSpec(MaskKind.SLIDING_WINDOW, window=3), MaskSpec(MaskKind.LOCAL_STRIDED, window=9, step=4, causal=True),
+             MaskSpec(MaskKind.DILATED, step=4), MaskSpec(MaskKind.SLIDING_WINDOW, window=40, causal=True),
+             MaskSpec(MaskKind.DILATED, step=4, causal=True), MaskSpec(MaskKind.SLIDING_WINDOW, window=0)],
+    LINEAR: [MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL)] * 3,
+}
+
+
 @dataclass(frozen=True)
 class Case:
     label: str
     feeds: dict
 
 
-def validation_cases(config: EncoderConfig, *, long_length: int = 67) -> list[Case]:
+def validation_cases(config: EncoderConfig, *, long_length: int = 67, path: str = DENSE) -> list[Case]:
     """Shapes the export sample (batch 2, length 16) does not have — length 1, primes, longer
     than the sample, batch 1 and > 1, mixed and left padding, a fully padded row — on every mask
-    kind, plus one batch whose rows each chose a different kind."""
-    longest = min(long_length, config.max_positions)
+    kind the graph's attention path computes, plus one batch whose rows each chose a different kind
+    (on a long path: different kinds and windows, one step)."""
+    limit = config.position_limit or long_length
+    longest = min(long_length, limit)
     shapes = [[1], [13], [5, 13, 1], [longest, 31, 0, 7]]
+    specs = EVERY_MASK if path == DENSE else LONG_MASKS[path]
     cases = []
-    for index, spec in enumerate(EVERY_MASK):
+    for index, spec in enumerate(specs):
         for lengths in shapes:
-            lengths = [min(n, config.max_positions) for n in lengths]
+            lengths = [min(n, limit) for n in lengths]
             feeds = make_feeds(config, lengths, spec, seed=index)
             cases.append(Case(f"{spec.label()} lengths={lengths}", feeds))
-    mixed = list(EVERY_MASK)
-    lengths = [min(n, config.max_positions) for n in (3, 17, 29, 11, 23, 1, 19, 13, 7)]
+    mixed = list(EVERY_MASK) if path == DENSE else LONG_MIXED[path]
+    lengths = [min(n, limit) for n in (3, 17, 29, 11, 23, 1, 19, 13, 7)][: len(mixed)]
     cases.append(Case("mixed kinds per row", make_feeds(config, lengths, mixed, seed=99)))
-    cases.append(Case(
-        "causal + left padding",
-        make_feeds(config, [5, 11], MaskSpec(MaskKind.CAUSAL), seed=5, left_pad=True),
-    ))
+    if MaskKind.CAUSAL in PATH_KINDS[path]:
+        cases.append(Case(
+            "causal + left padding",
+            make_feeds(config, [5, 11], MaskSpec(MaskKind.CAUSAL), seed=5, left_pad=True),
+        ))
     return cases

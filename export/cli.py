@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
                         help=f"config variant(s) to write (repeatable): {', '.join(variants())}; default: default")
     parser.add_argument("--all-variants", action="store_true", help="write every config variant")
-    parser.add_argument("--graphs", default="fp32,optimized",
-                        help=f"comma-separated graph variants per export: {', '.join(GRAPHS)} (fp32 always; default: %(default)s)")
+    parser.add_argument("--graphs", default="fp32,optimized,long",
+                        help=f"comma-separated graph variants per export: {', '.join(GRAPHS)}, or long (the config's "
+                             "long-input graph: sparse for softmax, linear for linear/performer attention) "
+                             "(fp32 always; default: %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=Path(DEFAULT_OUT_DIR), help="default: %(default)s")
     parser.add_argument("--name", help="export directory name (default: the config's name)")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")

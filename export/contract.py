@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.signature import input_specs, output_specs
 
@@ -32,10 +33,11 @@ class ExportContract:
     config: EncoderConfig
     opset: int = DEFAULT_OPSET
     tolerance: dict = field(default_factory=lambda: dict(FP32_TOLERANCE))
+    path: str = DENSE  # the attention path of the graph (model/attention_paths.py)
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(*spec) for spec in input_specs(self.config))
+        return tuple(TensorSpec(*spec) for spec in input_specs(self.config, self.path))
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:

@@ -7,6 +7,7 @@ so a failure leaves nothing half-written where the server looks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -23,11 +24,13 @@ import torch
 
 from export.cases import MaskSpec, make_feeds, validation_cases
 from export.contract import MAX_IR_VERSION, ExportContract
-from export.graphs import GRAPHS
+from export.graphs import GRAPHS, LONG, resolve
 from export.metadata import build_metadata, write_json_atomic
 from export.validate import ValidationReport, validate
 from model.config import EncoderConfig
-from model.encoder import Encoder, build_encoder
+from export.long_graphs import translation_table
+from model.attention_paths import DENSE, MAX_SEQUENCE, long_path
+from model.encoder import Encoder, build_encoder, with_path
 
 # torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -66,30 +69,35 @@ def sha256_file(path: str | Path) -> str:
 
 
 def export_onnx(model: Encoder, contract: ExportContract, path: str | Path) -> None:
-    """torch.onnx.export (dynamo) with symbolic batch and sequence axes taken from the contract."""
+    """torch.onnx.export (dynamo) of `model` on the contract's attention path, with symbolic batch and
+    sequence axes taken from the contract. Long-input paths translate their attention op into the
+    O(T·w) / O(T) subgraphs of export/long_graphs.py."""
     config = contract.config
+    model = with_path(model, contract.path)
     feeds = make_feeds(config, SAMPLE_LENGTHS, MaskSpec(), seed=0)
-    args = tuple(torch.from_numpy(feeds[s.name]) for s in contract.inputs)
     batch = torch.export.Dim("batch", min=1, max=4096)
-    sequence = torch.export.Dim("sequence", min=1, max=config.max_positions)
+    sequence = torch.export.Dim("sequence", min=1, max=config.position_limit or MAX_SEQUENCE)
     axis = {"batch": batch, "sequence": sequence}
-    # dynamic_shapes is keyed by forward()'s parameter names, in the same order as the inputs.
-    params = list(model.forward.__code__.co_varnames[1 : 1 + len(args)])
+    # Encoder.forward's parameters are named as the graph inputs, but for the first ("inputs").
+    param = {spec.name: ("inputs" if i == 0 else spec.name) for i, spec in enumerate(contract.inputs)}
+    kwargs = {param[s.name]: torch.from_numpy(feeds[s.name]) for s in contract.inputs}
     dynamic = {
-        param: {i: axis[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
-        for param, spec in zip(params, contract.inputs)
+        param[spec.name]: {i: axis[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
+        for spec in contract.inputs
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model,
-            args,
+            (),
+            kwargs=kwargs,
             dynamic_shapes=dynamic,
             input_names=[s.name for s in contract.inputs],
             output_names=[s.name for s in contract.outputs],
             opset_version=contract.opset,
             dynamo=True,
             verbose=False,
+            custom_translation_table=None if contract.path == DENSE else translation_table(),
         )
     program.save(str(path))
     proto = onnx.load(str(path))
@@ -138,32 +146,37 @@ def export_model(
     does not match PyTorch; in both cases nothing is left in out_dir.
     """
     say = progress or (lambda _msg: None)
-    unknown = [g for g in graphs if g not in GRAPHS]
+    unknown = [g for g in graphs if g not in GRAPHS and g != LONG]
     if unknown:
-        raise ExportError(f"unknown graph variant(s) {', '.join(unknown)}; known: {', '.join(GRAPHS)}")
-    if "fp32" not in graphs:
-        graphs = ("fp32", *graphs)
+        raise ExportError(f"unknown graph variant(s) {', '.join(unknown)}; known: {', '.join(GRAPHS)}, {LONG}")
+    graphs = resolve(tuple(graphs), config)
+    wrong = [g for g in graphs if GRAPHS[g].path not in (DENSE, long_path(config))]
+    if wrong:
+        raise ExportError(f"graph variant(s) {', '.join(wrong)} do not apply to attention={config.attention!r} "
+                          f"(its long-input graph: {long_path(config) or 'none'})")
     out_dir = Path(out_dir)
     _check_writable(out_dir)
     model = (model or build_encoder(config)).eval()
     contract = ExportContract(config, **({"opset": opset} if opset else {}))
+    contracts = {name: dataclasses.replace(contract, path=GRAPHS[name].path) for name in graphs}
     target = out_dir / config.name
     staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{config.name}.staging-"))
     try:
-        cases = validation_cases(config, long_length=long_length)
         results: list[GraphResult] = []
         for name in graphs:
             variant = GRAPHS[name]
             path = staging / variant.file
+            cases = validation_cases(config, long_length=long_length, path=variant.path)
             started = time.perf_counter()
             if variant.build is None:
-                say(f"[{config.name}] exporting {name} with torch.onnx (dynamo, opset {contract.opset})")
-                export_onnx(model, contract, path)
+                say(f"[{config.name}] exporting {name} with torch.onnx (dynamo, opset {contract.opset}, "
+                    f"{variant.path} attention)")
+                export_onnx(model, contracts[name], path)
             else:
                 say(f"[{config.name}] building {name} from fp32")
                 variant.build(str(staging / GRAPHS["fp32"].file), str(path), config)
             say(f"[{config.name}] validating {name} on {len(cases)} cases vs PyTorch")
-            report = validate(str(path), model, contract, cases, tolerance=variant.tolerance,
+            report = validate(str(path), model, contracts[name], cases, tolerance=variant.tolerance,
                               providers=variant.validate_on)
             results.append(GraphResult(name, path, report, time.perf_counter() - started))
             say(f"[{config.name}] {name}: {report.metric} worst {report.worst:.3g} "
@@ -176,6 +189,8 @@ def export_model(
                              "bytes": r.path.stat().st_size,
                              "ir_version": int(onnx.load(str(r.path), load_external_data=False).ir_version),
                              "description": GRAPHS[r.name].description,
+                             "attention_path": GRAPHS[r.name].path,
+                             "inputs": [s.as_dict() for s in contracts[r.name].inputs],
                              "tolerance": GRAPHS[r.name].tolerance, "validation": r.report.as_dict()}
                     for r in results},
             tokenizer=tokenizer,

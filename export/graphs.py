@@ -12,6 +12,7 @@ from typing import Callable
 
 from export.contract import FP32_TOLERANCE
 from export.optimize import build_fp16, build_int8, build_optimized
+from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
 
 Build = Callable[[str, str, EncoderConfig], None]
@@ -24,6 +25,7 @@ class GraphVariant:
     tolerance: dict
     build: Build | None = None  # None: the graph torch.onnx.export writes
     description: str = ""
+    path: str = DENSE  # the attention path (model/attention_paths.py); long paths are exported by torch too
     # Execution providers the export validates it on (a CUDA-only graph could not be checked here).
     validate_on: tuple[str, ...] = field(default=("CPUExecutionProvider",))
 
@@ -46,4 +48,30 @@ GRAPHS: dict[str, GraphVariant] = {
         "fp16", "model.fp16.onnx", {"metric": "min_cosine", "limit": 0.9999}, build_fp16,
         "float16 weights and arithmetic, float32 inputs/outputs, for CUDA",
     ),
+    # The long-input paths: the same weights, attention computed at its own cost. Served beside a dense
+    # graph for the rows whose mask kind they compute (the server picks per row; serve/batcher.py).
+    "sparse": GraphVariant(
+        "sparse", "model.sparse.onnx", dict(FP32_TOLERANCE), None,
+        "softmax attention for sliding_window/dilated/local_strided rows at O(T·w + T²/k): blocked band + "
+        "interleaved sub-sequences, no [T, T] tensor", path=SPARSE,
+    ),
+    "linear": GraphVariant(
+        "linear", "model.linear.onnx", dict(FP32_TOLERANCE), None,
+        "linear/performer attention for bidirectional/causal rows at O(T): φ(K)ᵀV, chunked prefix sums",
+        path=LINEAR,
+    ),
 }
+# `--graphs long` names the long-input graph of the config's attention kind (none for additive).
+LONG = "long"
+
+
+def resolve(names: tuple[str, ...], config: EncoderConfig) -> tuple[str, ...]:
+    """The graph variants to build for `config`: fp32 first, "long" replaced by the config's long
+    path (dropped where it has none), each once."""
+    out = ["fp32"]
+    for name in names:
+        if name == LONG:
+            name = long_path(config) or ""
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)

@@ -1,18 +1,36 @@
-"""Multi-head self-attention: softmax dot-product (with its scalings), additive, linear (elu+1).
+"""Multi-head self-attention: softmax dot-product (with its scalings), additive, linear (elu+1) and
+performer (FAVOR+ random features).
 
-All three take the same (B, T, T) `allowed` matrix from `model.masks`. A query row with no
+The path is chosen once, in __init__ (model/attention_paths.py): "dense" takes the (B, T, T)
+`allowed` matrix from `model.masks` and serves every mask kind; "sparse" (softmax) and "linear"
+(linear, performer) take the per-row mask inputs and call the long-input ops of
+`model.long_attention`, which the exporter turns into O(T·w) / O(T) graphs. A query row with no
 allowed key returns zeros, never NaN (SEEDS.md).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import long_attention
+from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
+
+
+class MaskInputs(NamedTuple):
+    """The graph's mask inputs as the layers see them; `allowed` (B, T, T) on the dense path only."""
+
+    attention_mask: torch.Tensor  # (B, T) int64, 1 = real token
+    kind: torch.Tensor  # (B,) int64
+    causal: torch.Tensor  # (B,) bool
+    window: torch.Tensor  # (B,) int64
+    step: torch.Tensor  # (B,) int64
+    allowed: torch.Tensor | None = None
 
 
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -30,8 +48,36 @@ def scaled_dot_product(
     return torch.matmul(masked_softmax(scores, allowed), v)
 
 
+def kernel_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The masked quadratic form of kernel (linear, performer) attention: (W·V) / W·1 with
+    W = φ(Q)·φ(K)ᵀ where allowed, 0 elsewhere; zeros for a query with no allowed key."""
+    weights = torch.where(allowed, torch.matmul(fq, fk.transpose(-2, -1)), 0.0)  # (B, heads, T, T), >= 0
+    norm = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, v) / torch.where(norm > 0, norm, 1.0)
+
+
+def performer_features(x: torch.Tensor, omega: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """FAVOR+ positive random features φ(x) = exp(ω·x − ‖x‖²/2)/√m (SEEDS.md), x scaled by d^(-1/4)
+    so that φ(q)·φ(k) estimates exp(q·k/√d). A constant is subtracted from the exponent for range
+    (it cancels in the normalised attention): per query its own largest feature; for keys (`valid`
+    given) the largest over the row's real keys, and no padded key's feature exceeds 1.
+
+    x: (B, heads, T, d); omega: (heads, d, m); valid: (B, T) for keys. Returns (B, heads, T, m)."""
+    d, m = x.shape[-1], omega.shape[-1]
+    x = x * d ** -0.25
+    logits = torch.matmul(x, omega[None]) - (x * x).sum(dim=-1, keepdim=True) / 2  # (B, heads, T, m)
+    if valid is None:
+        shift = logits.amax(dim=-1, keepdim=True)
+        return torch.exp(logits - shift) / math.sqrt(m)
+    lowest = torch.finfo(logits.dtype).min
+    real = valid[:, None, :, None] != 0
+    shift = torch.where(real, logits, lowest).amax(dim=(-2, -1), keepdim=True)  # (B, heads, 1, 1)
+    shift = torch.where(shift > lowest, shift, 0.0)  # a row with no real key: anything finite
+    return torch.exp(torch.clamp(logits - shift, max=0.0)) / math.sqrt(m)
+
+
 class MultiHeadAttention(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, path: str = DENSE) -> None:
         super().__init__()
         self.config = config
         d, h = config.d_model, config.n_heads
@@ -40,11 +86,21 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d, d)
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
-        # The path is chosen once, here, not per call.
+        # The paths are chosen once, here, not per call.
         self.kind = config.attention
+        if path not in (DENSE, long_path(config)):
+            raise ValueError(f"attention={config.attention!r} has no {path!r} path (it has dense"
+                             f"{', ' + long_path(config) if long_path(config) else ''})")
+        self.path = path
         if self.kind == "additive":
             # a(q, k) = w_vᵀ · tanh(W_q·q + W_k·k): q and k are already the projections.
             self.additive_v = nn.Parameter(torch.randn(h, self.head_dim) / math.sqrt(self.head_dim))
+        if self.kind == "performer":
+            # ω ~ N(0, I) drawn once from the config's seed: a fixed table, never in a state dict,
+            # stored in the exported graph as a constant.
+            generator = torch.Generator().manual_seed(config.seed + 0x5EED)
+            omega = torch.randn(h, self.head_dim, config.performer_features, generator=generator)
+            self.register_buffer("omega", omega, persistent=False)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -63,26 +119,38 @@ class MultiHeadAttention(nn.Module):
         real = attention_mask.sum(dim=1).clamp(min=1).to(q.dtype)  # (B,)
         return q, k, torch.rsqrt(real * self.head_dim)[:, None, None, None]
 
-    def forward(
-        self, x: torch.Tensor, allowed: torch.Tensor, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
+    def _features(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor):
+        """φ(Q), φ(K) of the kernel attentions: elu + 1 (linear) or random features (performer)."""
+        if self.kind == "linear":
+            return F.elu(q) + 1, F.elu(k) + 1
+        return performer_features(q, self.omega), performer_features(k, self.omega, attention_mask)
+
+    def forward(self, x: torch.Tensor, masks: MaskInputs) -> torch.Tensor:
         b, t, d = x.shape
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(x))
         v = self._split(self.v_proj(x))
-        keep = allowed[:, None]  # (B, 1, T, T), broadcast over heads
-        if self.kind == "softmax":
-            q, k, scale = self._scale(q, k, attention_mask)
-            y = scaled_dot_product(q, k, v, keep, scale)
-        elif self.kind == "additive":
-            feats = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (B, heads, T, T, head_dim)
-            scores = torch.einsum("bhijd,hd->bhij", feats, self.additive_v)
-            y = torch.matmul(masked_softmax(scores, keep), v)
-        else:  # linear: φ(x) = elu(x) + 1; the masked (quadratic) form serves every mask kind
-            weights = torch.matmul(F.elu(q) + 1, (F.elu(k) + 1).transpose(-2, -1))
-            weights = torch.where(keep, weights, 0.0)  # (B, heads, T, T), all >= 0
-            norm = weights.sum(dim=-1, keepdim=True)
-            y = torch.matmul(weights, v) / torch.where(norm > 0, norm, 1.0)
+        if self.path == SPARSE:
+            q, k, scale = self._scale(q, k, masks.attention_mask)
+            if isinstance(scale, torch.Tensor):  # per row: fold it into q, the op takes a constant
+                q, scale = q * scale, 1.0
+            y = long_attention.sparse_softmax_attention(
+                q, k, v, masks.attention_mask, masks.kind, masks.causal, masks.window, masks.step, float(scale))
+        elif self.path == LINEAR:
+            fq, fk = self._features(q, k, masks.attention_mask)
+            y = long_attention.linear_attention(fq, fk, v, masks.attention_mask, masks.kind)
+        else:
+            keep = masks.allowed[:, None]  # (B, 1, T, T), broadcast over heads
+            if self.kind == "softmax":
+                q, k, scale = self._scale(q, k, masks.attention_mask)
+                y = scaled_dot_product(q, k, v, keep, scale)
+            elif self.kind == "additive":
+                feats = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (B, heads, T, T, head_dim)
+                scores = torch.einsum("bhijd,hd->bhij", feats, self.additive_v)
+                y = torch.matmul(masked_softmax(scores, keep), v)
+            else:  # linear, performer: the masked (quadratic) form serves every mask kind
+                fq, fk = self._features(q, k, masks.attention_mask)
+                y = kernel_attention(fq, fk, v, keep)
         y = y.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
         return self.out_proj(y)
 

@@ -18,7 +18,7 @@ SCALINGS = ("sqrt_dk", "temperature", "cosine", "length")
 NORM_PLACEMENTS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 ACTIVATIONS = ("relu", "gelu")
-ATTENTION_KINDS = ("softmax", "additive", "linear")
+ATTENTION_KINDS = ("softmax", "additive", "linear", "performer")
 INPUT_KINDS = ("tokens", "features")
 
 
@@ -39,6 +39,8 @@ class EncoderConfig:
     # (raw float vectors [B, T, d_model] embedded elsewhere).
     input_kind: str = "tokens"
     vocab_size: int = 8192
+    # Rows of the learned position table (positional="learned"), and the length a checkpoint was
+    # trained to. Sinusoidal positions are computed from the position, so they do not stop here.
     max_positions: int = 1024
     # BERT-family extras: token-type embeddings (0 = none), LayerNorm after the embeddings.
     type_vocab_size: int = 0
@@ -52,6 +54,9 @@ class EncoderConfig:
     positional: str = "sinusoidal"
     activation: str = "relu"
     attention: str = "softmax"
+    # Random features m of performer attention (FAVOR+, φ(x) = exp(ω·x − ‖x‖²/2)/√m, ω ~ N(0, I)
+    # drawn from `seed`); used by attention="performer" only.
+    performer_features: int = 64
     # Seed for the weights when no checkpoint is loaded: exports are reproducible.
     seed: int = 0
     # Free-form provenance (e.g. the checkpoint a config was read from); not used in the math.
@@ -69,7 +74,7 @@ class EncoderConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")
-        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions"):
+        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions", "performer_features"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
@@ -88,6 +93,12 @@ class EncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def position_limit(self) -> int | None:
+        """The longest sequence the model itself can take: a learned position table stops at
+        max_positions; sinusoidal positions (computed in the graph) and none extend to any length."""
+        return self.max_positions if self.positional == "learned" else None
 
     def replace(self, **changes: Any) -> "EncoderConfig":
         """A new config with `changes`; unknown fields are a ConfigError, not a TypeError."""
@@ -145,6 +156,7 @@ def variants(base: EncoderConfig | None = None) -> dict[str, EncoderConfig]:
         "gelu": {"activation": "gelu"},
         "additive": {"attention": "additive"},
         "linear": {"attention": "linear"},
+        "performer": {"attention": "performer"},
         "features": {"input_kind": "features"},
     }
     return {name: base.replace(name=name if name != "default" else base.name, **change)

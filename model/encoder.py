@@ -12,19 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import MultiHeadAttention
+from model.attention import MaskInputs, MultiHeadAttention
+from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.masks import build_allowed
 from model.pooling import mean_pool
 
-def sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
-    """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D)."""
-    position = torch.arange(length, dtype=torch.float64)[:, None]
-    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
-    table = torch.zeros(length, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
-    return table.to(torch.float32)
+def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None) -> torch.Tensor:
+    """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D).
+
+    Computed from the positions (in float64, then rounded to float32) rather than read from a table,
+    so it extends to any length (SEEDS.md), in PyTorch and in the exported graph alike."""
+    position = torch.arange(length, dtype=torch.float64, device=device)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
+                         * (-math.log(10000.0) / d_model))
+    angles = position * inv_freq  # (T, ceil(D/2))
+    table = torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).reshape(length, -1)
+    return table[:, :d_model].to(torch.float32)
 
 
 class Embeddings(nn.Module):
@@ -35,9 +39,6 @@ class Embeddings(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, d) if config.input_kind == "tokens" else None
         self.token_types = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
         self.positions = nn.Embedding(config.max_positions, d) if config.positional == "learned" else None
-        if config.positional == "sinusoidal":
-            # Fixed table: a non-persistent buffer, so it never enters a state dict.
-            self.register_buffer("sinusoidal", sinusoidal_table(config.max_positions, d), persistent=False)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.embedding_layer_norm else None
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ class Embeddings(nn.Module):
         if self.positions is not None:
             h = h + self.positions.weight[:length][None]
         elif self.config.positional == "sinusoidal":
-            h = h + self.sinusoidal[:length][None]
+            h = h + sinusoidal_positions(length, self.config.d_model, h.device)[None]
         if self.token_types is not None:
             h = h + self.token_types(token_type_ids)
         if self.norm is not None:
@@ -70,29 +71,34 @@ class FeedForward(nn.Module):
 class EncoderLayer(nn.Module):
     """post-norm: x = LN(x + MHA(x)); x = LN(x + FFN(x)).  pre-norm: x = x + MHA(LN(x)); ..."""
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, path: str = DENSE) -> None:
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
-        self.attention = MultiHeadAttention(config)
+        self.attention = MultiHeadAttention(config, path)
         self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn = FeedForward(config)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         # Dropout after attention and FFN is inactive at inference; the reference omits it.
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, masks: MaskInputs) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.attention(self.attention_norm(x), allowed, attention_mask)
+            x = x + self.attention(self.attention_norm(x), masks)
             return x + self.ffn(self.ffn_norm(x))
-        x = self.attention_norm(x + self.attention(x, allowed, attention_mask))
+        x = self.attention_norm(x + self.attention(x, masks))
         return self.ffn_norm(x + self.ffn(x))
 
 
 class Encoder(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
+    """The stack, with its attention path chosen once (model/attention_paths.py): "dense" takes
+    `custom_mask` and serves every mask kind; "sparse"/"linear" have no custom_mask input and serve
+    the kinds their path computes. The weights are the same on every path (`with_path`)."""
+
+    def __init__(self, config: EncoderConfig, path: str = DENSE) -> None:
         super().__init__()
         self.config = config
+        self.path = path
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, path) for _ in range(config.n_layers))
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_placement == "pre" else None
         )
@@ -105,16 +111,32 @@ class Encoder(nn.Module):
         mask_causal: torch.Tensor,  # (B,) bool
         mask_window: torch.Tensor,  # (B,) int64
         mask_step: torch.Tensor,  # (B,) int64
-        custom_mask: torch.Tensor,  # (B, T, T) bool
+        custom_mask: torch.Tensor | None = None,  # (B, T, T) bool; dense path only
         token_type_ids: torch.Tensor | None = None,  # (B, T) int64, BERT-family only
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        allowed = build_allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step, custom_mask)
+        masks = MaskInputs(attention_mask, mask_kind, mask_causal, mask_window, mask_step)
+        if self.path == DENSE:
+            if custom_mask is None:
+                length = attention_mask.shape[1]
+                custom_mask = torch.ones(attention_mask.shape[0], length, length, dtype=torch.bool)
+            allowed = build_allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step, custom_mask)
+            masks = masks._replace(allowed=allowed)
         h = self.embeddings(inputs, token_type_ids)  # (B, T, D)
         for layer in self.layers:
-            h = layer(h, allowed, attention_mask)
+            h = layer(h, masks)
         if self.final_norm is not None:
             h = self.final_norm(h)
         return h, mean_pool(h, attention_mask)
+
+
+def with_path(model: Encoder, path: str) -> Encoder:
+    """The same weights on another attention path (a new module; `model` is unchanged)."""
+    if path == model.path:
+        return model
+    with torch.random.fork_rng(devices=[]):  # the fresh weights are overwritten: leave the RNG as it was
+        other = Encoder(model.config, path)
+    other.load_state_dict(model.state_dict())
+    return other.eval()
 
 
 def build_encoder(config: EncoderConfig) -> Encoder:

@@ -6,20 +6,23 @@ against it. `Encoder.forward` takes the inputs positionally in this order.
 
 from __future__ import annotations
 
+from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.mask_kinds import MASK_INPUTS
 
 OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
 
 
-def input_specs(config: EncoderConfig) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
-    """(name, dtype, dims) per graph input; str dims are symbolic axes."""
+def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
+    """(name, dtype, dims) per graph input; str dims are symbolic axes. Only the dense path's graph
+    takes `custom_mask` (the long-input paths serve no custom rows, and hold no [B, T, T] tensor)."""
     if config.input_kind == "tokens":
         first = ("input_ids", "int64", ("batch", "sequence"))
     else:
         first = ("inputs_embeds", "float32", ("batch", "sequence", config.d_model))
     specs = [first, ("attention_mask", "int64", ("batch", "sequence"))]
-    specs += [(name, dtype, dims) for name, (dtype, dims) in MASK_INPUTS.items()]
+    specs += [(name, dtype, dims) for name, (dtype, dims) in MASK_INPUTS.items()
+              if path == DENSE or name != "custom_mask"]
     if config.type_vocab_size:
         specs.append(("token_type_ids", "int64", ("batch", "sequence")))
     return tuple(specs)
@@ -30,5 +33,5 @@ def output_specs(config: EncoderConfig) -> tuple[tuple[str, str, tuple[str | int
     return (("last_hidden_state", "float32", ("batch", "sequence", d)), ("mean_pooled", "float32", ("batch", d)))
 
 
-def input_names(config: EncoderConfig) -> tuple[str, ...]:
-    return tuple(name for name, _, _ in input_specs(config))
+def input_names(config: EncoderConfig, path: str = DENSE) -> tuple[str, ...]:
+    return tuple(name for name, _, _ in input_specs(config, path))

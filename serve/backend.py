@@ -14,6 +14,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from model.attention_paths import DENSE, computes
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.signature import OUTPUT_NAMES, input_specs
@@ -30,15 +31,16 @@ OUTPUTS = OUTPUT_NAMES
 _ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "bool": "tensor(bool)"}
 
 
-def expected_inputs(config: EncoderConfig) -> dict[str, str]:
-    """The graph inputs this server feeds, in graph order, with their ONNX Runtime type."""
-    return {name: _ORT_TYPES[dtype] for name, dtype, _ in input_specs(config)}
+def expected_inputs(config: EncoderConfig, path: str = DENSE) -> dict[str, str]:
+    """The graph inputs this server feeds on `path`, in graph order, with their ONNX Runtime type."""
+    return {name: _ORT_TYPES[dtype] for name, dtype, _ in input_specs(config, path)}
 
 
 @dataclass(frozen=True)
 class BackendInfo:
     providers: tuple[str, ...]  # what the session actually uses, in priority order
     available_providers: tuple[str, ...]
+    paths: tuple[str, ...] = (DENSE,)  # attention paths with a loaded graph (model/attention_paths.py)
 
     @property
     def execution_provider(self) -> str:
@@ -50,7 +52,7 @@ class Backend(Protocol):
 
     def health(self) -> None: ...  # raises BackendError when it cannot serve
 
-    def encode(self, batch: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]: ...
+    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def cuda_options(cuda_device_id: int = 0, tf32: bool = False) -> dict:
@@ -85,10 +87,17 @@ class OnnxRuntimeBackend:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
         options.intra_op_num_threads = int(intra_op_threads) or len(os.sched_getaffinity(0))
-        try:
-            self.session = ort.InferenceSession(str(export.graph_path), sess_options=options, providers=providers)
-        except Exception as error:  # onnxruntime raises its own exception types
-            raise BackendError(f"cannot load {export.graph_path} on {device}: {error}") from error
+        self.session = self._load(ort, export.graph_path, options, providers, device)
+        # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
+        # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
+        # RSS measured 2.16 GiB with it, 1.40 GiB without; docs/performance.md).
+        long_options = ort.SessionOptions()
+        long_options.graph_optimization_level = options.graph_optimization_level
+        long_options.intra_op_num_threads = options.intra_op_num_threads
+        long_options.enable_cpu_mem_arena = False
+        self.sessions = {DENSE: self.session}
+        for path, graph_path in export.long_graphs:
+            self.sessions[path] = self._load(ort, graph_path, long_options, providers, device)
         actual = tuple(self.session.get_providers())
         if device == "cuda" and (not actual or actual[0] != CUDA):
             raise BackendError(
@@ -98,48 +107,59 @@ class OnnxRuntimeBackend:
             )
         if device == "auto" and CUDA in available and actual[0] != CUDA:
             logs.event(log, "cuda_session_failed_fallback_cpu", logging.WARNING, providers=",".join(actual))
-        self.info = BackendInfo(actual, tuple(available))
-        self._check_graph()
-        self._feeds_cache: dict[str, str] = {}
+        self.info = BackendInfo(actual, tuple(available), tuple(self.sessions))
+        graph_paths = {DENSE: export.graph_path, **dict(export.long_graphs)}
+        for path, session in self.sessions.items():
+            self._check_graph(session, path, graph_paths[path])
 
-    def _check_graph(self) -> None:
-        expected = expected_inputs(self.config)
-        got = {i.name: i.type for i in self.session.get_inputs()}
+    @staticmethod
+    def _load(ort, graph_path, options, providers, device: str):
+        try:
+            return ort.InferenceSession(str(graph_path), sess_options=options, providers=providers)
+        except Exception as error:  # onnxruntime raises its own exception types
+            raise BackendError(f"cannot load {graph_path} on {device}: {error}") from error
+
+    def _check_graph(self, session, path: str, graph_path) -> None:
+        expected = expected_inputs(self.config, path)
+        got = {i.name: i.type for i in session.get_inputs()}
         if got != expected:
             raise BackendError(
-                f"{self.export.graph_path}: graph inputs {got} are not the ones this server feeds {expected}; "
+                f"{graph_path}: graph inputs {got} are not the ones this server feeds {expected}; "
                 "re-export with this version of `python -m export`"
             )
-        outputs = [o.name for o in self.session.get_outputs()]
+        outputs = [o.name for o in session.get_outputs()]
         missing = [name for name in OUTPUTS if name not in outputs]
         if missing:
-            raise BackendError(f"{self.export.graph_path}: graph lacks output(s) {missing} (has {outputs})")
+            raise BackendError(f"{graph_path}: graph lacks output(s) {missing} (has {outputs})")
 
     def health(self) -> None:
         if self.session is None:
             raise BackendError("session closed")
 
-    def encode(self, batch: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE) -> tuple[np.ndarray, np.ndarray]:
         try:
-            hidden, pooled = self.session.run(list(OUTPUTS), dict(batch))
+            hidden, pooled = self.sessions[path].run(list(OUTPUTS), dict(batch))
         except Exception as error:
             raise BackendError(f"inference failed: {type(error).__name__}: {error}") from error
         return hidden, pooled
 
     def warm_up(self, lengths: tuple[int, ...] = (1, 8, 64)) -> float:
-        """Runs a few shapes (every mask kind) so the first request does not pay for allocation."""
+        """Runs a few shapes (every mask kind each path computes) so the first request does not pay
+        for allocation."""
         started = time.perf_counter()
-        kinds = list(MaskKind)
-        for length in lengths:
-            length = min(length, self.config.max_positions)
-            self.encode(dummy_batch(self.config, len(kinds), length, kinds))
+        for path in self.sessions:
+            kinds = [kind for kind in MaskKind if computes(path, kind, self.config)]
+            for length in lengths:
+                length = min(length, self.config.position_limit or length)
+                self.encode(dummy_batch(self.config, len(kinds), length, kinds, path), path)
         return time.perf_counter() - started
 
 
-def dummy_batch(config: EncoderConfig, rows: int, length: int, kinds: list[MaskKind] | None = None) -> dict:
+def dummy_batch(config: EncoderConfig, rows: int, length: int, kinds: list[MaskKind] | None = None,
+                path: str = DENSE) -> dict:
     """A full-length batch of zeros (one mask kind per row) for warm-up and the start-up probe."""
     kinds = kinds or [MaskKind.BIDIRECTIONAL] * rows
     shape = (length,) if config.input_kind == "tokens" else (length, config.d_model)
     dtype = np.int64 if config.input_kind == "tokens" else np.float32
     batch = [Row(np.zeros(shape, dtype), int(kind), False, 1, 2, None) for kind in kinds]
-    return pad_batch(batch, length, config)
+    return pad_batch(batch, length, config, path)

@@ -22,8 +22,11 @@ from typing import Callable
 
 import numpy as np
 
+from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
 from serve import logs
+from serve.attention_budget import AttentionBudget
 from serve.backend import Backend
 from serve.batch_plan import RunCost, plan_runs
 from serve.core import EncodeRequest, EncodeResult, Row, SequenceOutput, pad_batch
@@ -35,11 +38,14 @@ log = logging.getLogger("serve.batcher")
 class Ticket:
     """A submitted request: `wait()` returns its EncodeResult or raises its ServeError."""
 
-    __slots__ = ("request", "rows", "length", "enqueued", "deadline", "cancelled", "_done", "_result", "_error")
+    __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
+                 "_result", "_error")
 
-    def __init__(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None) -> None:
+    def __init__(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None,
+                 attention_bytes: int = 0) -> None:
         self.request = request
         self.rows = rows
+        self.attention_bytes = attention_bytes  # estimated (serve/attention_budget.py)
         self.length = max(r.length for r in rows)
         self.enqueued = time.monotonic()
         self.deadline = deadline  # time.monotonic() value, or None
@@ -79,6 +85,7 @@ class Batcher:
         max_queue_size: int,
         observe: Callable[..., None] | None = None,
         run_cost: RunCost | None = None,
+        budget: AttentionBudget | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
@@ -88,6 +95,8 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self._observe = observe or (lambda **_: None)
         self.run_cost = run_cost  # None: one session.run per batch; else length-sorted runs (batch_plan)
+        # picks each row's attention path and bounds a batch's attention memory; None: dense, unbounded
+        self.budget = budget
         self._queue: collections.deque[Ticket] = collections.deque()
         self._queued_rows = 0
         self._cond = threading.Condition()
@@ -100,8 +109,9 @@ class Batcher:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None = None) -> Ticket:
-        ticket = Ticket(request, rows, deadline)
+    def submit(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None = None,
+               attention_bytes: int = 0) -> Ticket:
+        ticket = Ticket(request, rows, deadline, attention_bytes)
         with self._cond:
             if self._closed:
                 raise Unavailable("server is shutting down; retry on another replica")
@@ -160,7 +170,8 @@ class Batcher:
                     break
                 self._cond.wait(remaining)
             batch: list[Ticket] = []
-            rows = length = 0
+            rows = length = memory = 0
+            memory_limit = self.budget.max_bytes if self.budget is not None else 0
             now = time.monotonic()
             while self._queue:
                 ticket = self._queue[0]
@@ -173,12 +184,13 @@ class Batcher:
                         ticket._finish(error=DeadlineExceeded("deadline expired while queued; request dropped"))
                     continue
                 n, longest = len(ticket.rows), max(length, ticket.length)
-                if batch and (rows + n > self.max_batch_size or (rows + n) * longest > self.max_batch_tokens):
+                if batch and (rows + n > self.max_batch_size or (rows + n) * longest > self.max_batch_tokens
+                              or (memory_limit and memory + ticket.attention_bytes > memory_limit)):
                     break
                 self._queue.popleft()
                 self._queued_rows -= n
                 batch.append(ticket)
-                rows, length = rows + n, longest
+                rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
             self._busy = bool(batch)
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
@@ -219,42 +231,62 @@ class Batcher:
         when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
         has run, so short requests in a mixed batch come back first."""
         slots = [(ticket, i) for ticket in batch for i in range(len(ticket.rows))]
-        if self.run_cost is None:
-            runs = [list(range(len(slots)))]
-        else:
-            runs = plan_runs([ticket.rows[i].length for ticket, i in slots], self.run_cost)
+        runs = []
+        for path, group in self._by_path(slots):
+            if self.run_cost is None:
+                runs.append((path, group))
+            else:
+                plan = plan_runs([slots[k][0].rows[slots[k][1]].length for k in group], self.run_cost)
+                runs += [(path, [group[k] for k in run]) for run in plan]
         progress = {ticket: _Progress(ticket) for ticket in batch}
         provider = self.backend.info.execution_provider
-        for number, run in enumerate(runs):
+        for number, (path, run) in enumerate(runs):
             members = [slots[k] for k in run]
             rows = [ticket.rows[i] for ticket, i in members]
             length = max(row.length for row in rows)
-            feeds = pad_batch(rows, length, self.config)
+            feeds = pad_batch(rows, length, self.config, path)
             started = time.monotonic()
-            hidden, pooled = self.backend.encode(feeds)
+            hidden, pooled = self.backend.encode(feeds) if path == DENSE else self.backend.encode(feeds, path)
             inference_s = time.monotonic() - started
             tokens = sum(row.length for row in rows)
             self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
-                          padding_tokens=len(rows) * length - tokens)
+                          padding_tokens=len(rows) * length - tokens, path=path)
             for index, (ticket, i) in enumerate(members):
                 row = rows[index]
                 progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],
                                      run=number, started=started, inference_s=inference_s,
-                                     batch_size=len(rows), batch_length=length)
+                                     batch_size=len(rows), batch_length=length, path=path)
             for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
                 if progress[ticket].complete and not ticket.done():
                     progress[ticket].finish(provider)
 
 
+    def _by_path(self, slots: list[tuple[Ticket, int]]) -> list[tuple[str, list[int]]]:
+        """Slot indices grouped by the attention path each row runs on, dense first. Sparse rows are
+        grouped by their step too (a sparse run's strided rows share one step; window-only rows run
+        apart, so they never pay for a strided layout)."""
+        if self.budget is None:
+            return [(DENSE, list(range(len(slots))))]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for k, (ticket, i) in enumerate(slots):
+            row = ticket.rows[i]
+            path = self.budget.path(row)
+            step = row.step if path == SPARSE and MaskKind(row.kind).uses_step else 0
+            groups.setdefault((path, step), []).append(k)
+        order = sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1]))
+        return [(key[0], groups[key]) for key in order]
+
+
 class _Progress:
     """One ticket's rows as their runs complete; `finish` answers it once all have run."""
 
-    __slots__ = ("ticket", "outputs", "left", "first_start", "inference_s", "last_run", "batch_size",
+    __slots__ = ("ticket", "outputs", "paths", "left", "first_start", "inference_s", "last_run", "batch_size",
                  "batch_length", "error")
 
     def __init__(self, ticket: Ticket) -> None:
         self.ticket = ticket
         self.outputs: list[SequenceOutput | None] = [None] * len(ticket.rows)
+        self.paths: list[str] = [DENSE] * len(ticket.rows)
         self.left = len(ticket.rows)
         self.first_start: float | None = None
         self.inference_s = 0.0
@@ -267,9 +299,10 @@ class _Progress:
         return self.left == 0 or self.error is not None
 
     def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
-            inference_s: float, batch_size: int, batch_length: int) -> None:
+            inference_s: float, batch_size: int, batch_length: int, path: str = DENSE) -> None:
         if self.error is not None:
             return
+        self.paths[i] = path
         if self.first_start is None:
             self.first_start = started
         if run != self.last_run:
@@ -302,6 +335,7 @@ class _Progress:
             execution_provider=provider,
             token_counts=tuple(row.length for row in ticket.rows),
             truncated=ticket.request.truncated,
+            attention_paths=tuple(self.paths),
         ))
 
 

@@ -47,6 +47,18 @@ class ServerConfig:
     # the fixed cost of one session.run in token-equivalents for length_split, pinned (-1: measured at start)
     split_overhead_tokens: float = -1.0
     max_sequences_per_request: int = 32
+    # Long inputs (serve/attention_budget.py). Each row runs on the cheapest attention path the export
+    # has for its mask kind (sparse/linear graphs beside the dense one; false: dense only).
+    long_paths: bool = True
+    # Estimated attention memory a request (and a formed batch) may take; over it: RESOURCE_EXHAUSTED
+    # naming the limit and the mask kinds that would fit. 0: half the memory this process may use.
+    max_attention_bytes: int = 0
+    # Longest sequence admitted; 0: the longest that fits max_attention_bytes on the cheapest path (a
+    # learned position table caps it at its own size in any case).
+    max_sequence_length: int = 0
+    # Hidden states returned in one response at most (a 32k-token row of d_model 256 is 32 MiB); over
+    # it the error suggests hidden_states=false or EncodeStream.
+    max_response_bytes: int = 256 * 1024 * 1024
     max_request_bytes: int = 16 * 1024 * 1024
     workers: int = 32  # gRPC handler threads
     grace_s: float = 30.0  # drain budget on SIGTERM
@@ -67,7 +79,7 @@ class ServerConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",
-                     "max_request_bytes", "workers"):
+                     "max_request_bytes", "max_response_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sequences_per_request > self.max_batch_size:
@@ -85,6 +97,8 @@ class ServerConfig:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key: client certificates need TLS")
         if self.split_overhead_tokens < 0 and self.split_overhead_tokens != -1:
             raise ValueError(f"split_overhead_tokens must be >= 0, or -1 to measure it, got {self.split_overhead_tokens}")
+        if self.max_attention_bytes < 0 or self.max_sequence_length < 0:
+            raise ValueError("max_attention_bytes and max_sequence_length must be >= 0 (0: derived)")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
 

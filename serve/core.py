@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from model.attention_paths import DENSE, RowMask
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve.errors import ValidationError
@@ -53,6 +54,10 @@ class Row:
     def length(self) -> int:
         return int(self.inputs.shape[0])
 
+    @property
+    def mask(self) -> RowMask:
+        return RowMask(MaskKind(self.kind), self.window, self.step)
+
 
 @dataclass(frozen=True)
 class SequenceOutput:
@@ -71,6 +76,7 @@ class EncodeResult:
     execution_provider: str
     token_counts: tuple[int, ...] = ()  # tokens each sequence ran with (its row length)
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
+    attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (model/attention_paths.py)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tu
         raise ValidationError(
             f"sequences: {n} sequences exceed max_sequences_per_request={limits.max_sequences_per_request}"
         )
-    max_len = min(limits.max_sequence_length, config.max_positions)
+    max_len = limits.max_sequence_length
     inputs = [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)]
     padded = n * max(len(x) for x in inputs)
     if limits.max_request_tokens and padded > limits.max_request_tokens:
@@ -174,8 +180,9 @@ def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.n
     return matrices
 
 
-def pad_batch(rows: list[Row], length: int, config: EncoderConfig) -> dict[str, np.ndarray]:
-    """The graph's inputs for `rows`, right-padded to `length` (padding is masked out)."""
+def pad_batch(rows: list[Row], length: int, config: EncoderConfig, path: str = DENSE) -> dict[str, np.ndarray]:
+    """The graph's inputs for `rows` on attention `path`, right-padded to `length` (padding is masked
+    out). Only the dense graph takes the [B, T, T] custom mask."""
     n = len(rows)
     if config.input_kind == "tokens":
         first_name = "input_ids"
@@ -184,7 +191,7 @@ def pad_batch(rows: list[Row], length: int, config: EncoderConfig) -> dict[str, 
         first_name = "inputs_embeds"
         first = np.zeros((n, length, config.d_model), np.float32)
     attention = np.zeros((n, length), np.int64)
-    custom = np.ones((n, length, length), bool)
+    custom = np.ones((n, length, length), bool) if path == DENSE else None
     for b, row in enumerate(rows):
         first[b, : row.length] = row.inputs
         attention[b, : row.length] = 1
@@ -198,8 +205,9 @@ def pad_batch(rows: list[Row], length: int, config: EncoderConfig) -> dict[str, 
         "mask_causal": np.array([r.causal for r in rows], bool),
         "mask_window": np.array([r.window for r in rows], np.int64),
         "mask_step": np.array([max(r.step, 1) for r in rows], np.int64),
-        "custom_mask": custom,
     }
+    if custom is not None:
+        feeds["custom_mask"] = custom
     if config.type_vocab_size:
         feeds["token_type_ids"] = np.zeros((n, length), np.int64)
     return feeds

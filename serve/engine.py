@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from model.config import to_json
 from model.mask_kinds import MaskKind
+from serve.attention_budget import AttentionBudget, default_budget
 from serve.backend import Backend
 from serve.batcher import Batcher, Ticket
 from serve.config import ServerConfig
@@ -47,10 +48,13 @@ class Engine:
         self.backend = backend
         self.batcher = batcher
         self.server = server
+        self.budget = batcher.budget or AttentionBudget(export.config, backend.info.paths,
+                                                        server.max_attention_bytes or default_budget())
+        lengths = [n for n in (export.config.position_limit, server.max_sequence_length) if n]
         self.limits = Limits(
             max_sequences_per_request=server.max_sequences_per_request,
-            max_sequence_length=export.config.max_positions,
-            max_request_tokens=server.max_request_tokens or server.max_batch_tokens,
+            max_sequence_length=min([*lengths, self.budget.max_length()]),
+            max_request_tokens=server.max_request_tokens,
         )
         self.text = TextTokenizer.from_export(export)  # None without one; ExportError on a bad one
 
@@ -59,9 +63,17 @@ class Engine:
         if request.texts:
             request = self._tokenize(request)
         rows = to_rows(request, self.export.config, self.limits)
+        attention_bytes = self.budget.check(rows)
+        if request.hidden_states:
+            size = sum(row.length for row in rows) * self.export.config.d_model * 4
+            if size > self.server.max_response_bytes:
+                raise ValidationError(
+                    f"hidden_states: {sum(row.length for row in rows)} tokens of hidden states are {size} bytes, "
+                    f"over max_response_bytes={self.server.max_response_bytes}; ask for hidden_states=false "
+                    "(pooled embeddings only), or send the sequences one by one on EncodeStream")
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline expired before the request was admitted")
-        return self.batcher.submit(request, rows, deadline)
+        return self.batcher.submit(request, rows, deadline, attention_bytes)
 
     def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
         """The request with its texts tokenized into `sequences` (rows like any token ids)."""
@@ -101,7 +113,8 @@ class Engine:
             mask_kinds=tuple(k.label for k in MaskKind),
             limits={
                 "max_sequences_per_request": s.max_sequences_per_request,
-                "max_sequence_length": config.max_positions,
+                "max_sequence_length": self.limits.max_sequence_length,
+                "max_attention_bytes": self.budget.max_bytes,
                 "max_batch_size": s.max_batch_size,
                 "max_batch_tokens": s.max_batch_tokens,
                 "max_queue_delay_ms": s.max_queue_delay_ms,

@@ -37,6 +37,13 @@ class Overloaded(ServeError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooLarge(ServeError):
+    """The request needs more of a resource (memory for attention) than this server allows at all;
+    retrying the same request will not help, a smaller one will."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Unavailable(ServeError):
     """Not ready yet, or shutting down."""
 

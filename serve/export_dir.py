@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.attention_paths import DENSE, PATHS
 from model.config import ConfigError, EncoderConfig, from_dict
 from model.mask_kinds import MaskKind
 from serve.errors import BackendError
@@ -30,6 +31,13 @@ class ExportDir:
     graph: str  # the "graphs" key served
     graph_path: Path
     sha256: str
+    # the long-input graphs served beside it: attention path -> file (model/attention_paths.py)
+    long_graphs: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The attention paths this export serves: dense, then its long-input path if it has one."""
+        return (DENSE, *(path for path, _ in self.long_graphs))
 
     @property
     def name(self) -> str:
@@ -67,7 +75,7 @@ def file_sha256(path: Path) -> str:
 
 
 def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True,
-                auto: tuple[str, ...] = ("optimized",)) -> ExportDir:
+                auto: tuple[str, ...] = ("optimized",), long_paths: bool = True) -> ExportDir:
     root = Path(path)
     meta_path = root / "metadata.json"
     if not meta_path.is_file():
@@ -91,7 +99,21 @@ def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True,
         graph = next((name for name in auto if name in graphs), "fp32")
     if graph not in graphs:
         raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(graphs) or 'none'}")
-    entry = graphs[graph]
+    if graphs[graph].get("attention_path", DENSE) != DENSE:
+        raise ExportError(f"{meta_path}: graph {graph!r} serves only some mask kinds; choose a dense graph "
+                          f"({', '.join(n for n, e in graphs.items() if e.get('attention_path', DENSE) == DENSE)}); "
+                          "long-input graphs are served beside it (--long-paths)")
+    graph_path, actual = _checked_graph(root, meta_path, graph, graphs[graph], verify)
+    long_graphs = tuple(
+        (entry["attention_path"], _checked_graph(root, meta_path, name, entry, verify)[0])
+        for name, entry in graphs.items()
+        if long_paths and entry.get("attention_path", DENSE) in PATHS and entry["attention_path"] != DENSE
+    )
+    return ExportDir(root, metadata, config, graph, graph_path, actual, long_graphs)
+
+
+def _checked_graph(root: Path, meta_path: Path, graph: str, entry: dict, verify: bool) -> tuple[Path, str]:
+    """The graph file of a metadata.json "graphs" entry and its sha256, checked against the entry."""
     graph_path = root / entry["file"]
     if not graph_path.is_file():
         raise ExportError(f"{graph_path} not found (listed in {meta_path} as graph {graph!r})")
@@ -105,4 +127,4 @@ def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True,
             f"{graph_path}: sha256 {actual} does not match metadata.json ({expected or 'missing'}); "
             "the graph changed after export — re-run `python -m export`"
         )
-    return ExportDir(root, metadata, config, graph, graph_path, actual)
+    return graph_path, actual

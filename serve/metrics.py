@@ -25,13 +25,15 @@ class Metrics:
                                       buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
         self.padding_tokens = Counter("encoder_padding_tokens", "Padding computed: rows x padded length minus "
                                       "the rows' own tokens, over all session.runs", registry=r)
+        self.path_rows = Counter("encoder_attention_path_rows", "Rows run per attention path (dense | sparse | "
+                                 "linear; model/attention_paths.py)", ["path"], registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
         self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
         self._http = None
 
     def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,
-                        padding_tokens: int | None = None) -> None:
+                        padding_tokens: int | None = None, path: str | None = None) -> None:
         if queue_depth is not None:
             self.queue_depth.set(queue_depth)
         if batch_size is not None:
@@ -42,6 +44,8 @@ class Metrics:
             self.inference_seconds.observe(inference_s)
         if padding_tokens is not None:
             self.padding_tokens.inc(padding_tokens)
+        if path is not None and batch_size is not None:
+            self.path_rows.labels(path=path).inc(batch_size)
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts /metrics; returns the bound port (port 0: the OS chooses)."""

@@ -25,6 +25,7 @@ import numpy as np
 
 from model.config import EncoderConfig
 from serve import batch_plan, logs
+from serve.attention_budget import AttentionBudget, default_budget
 from serve.backend import CUDA, Backend, dummy_batch
 from serve.batch_plan import RunCost
 from serve.batcher import Batcher
@@ -47,7 +48,7 @@ RETIRE_SETTLE_S = 0.5  # after the old batcher drains, how long it still accepts
 def probe(backend: Backend, export: ExportDir) -> None:
     """One real inference at a shape warm-up may not use; refuses wrong shapes or non-finite output."""
     config = export.config
-    rows, length = 2, min(5, config.max_positions)
+    rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
     want_hidden, want_pooled = (rows, length, config.d_model), (rows, config.d_model)
     if tuple(hidden.shape) != want_hidden or tuple(pooled.shape) != want_pooled:
@@ -85,8 +86,9 @@ def auto_graphs(device: str) -> tuple[str, ...]:
 def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_factory: BackendFactory,
                  observe: Callable[..., None] | None = None) -> tuple[Engine, float]:
     """A started engine for `export_dir` that passed every check, and its warm-up seconds."""
-    export = load_export(export_dir, graph, auto=auto_graphs(config.device))
+    export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
     backend = backend_factory(export, config)
+    budget = AttentionBudget(export.config, backend.info.paths, config.max_attention_bytes or default_budget())
     warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
     backend.health()
     probe(backend, export)
@@ -95,7 +97,7 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
-        observe=observe, run_cost=run_cost,
+        observe=observe, run_cost=run_cost, budget=budget,
     )
     engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
     batcher.start()

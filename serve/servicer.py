@@ -83,6 +83,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
             token_counts=list(result.token_counts),
             total_tokens=sum(result.token_counts),
             truncated=list(result.truncated),
+            attention_paths=list(result.attention_paths),
         ),
     )
 

@@ -48,6 +48,7 @@ PARITY_CONFIGS = {
     "length-prenorm-learned": dict(scaling="length", norm_placement="pre", positional="learned"),
     "additive-gelu": dict(attention="additive", activation="gelu"),
     "linear-prenorm": dict(attention="linear", norm_placement="pre"),
+    "performer-learned": dict(attention="performer", positional="learned"),
 }
 
 
@@ -66,13 +67,25 @@ def exported_variants(tmp_path_factory, tiny_config):
 
 @pytest.fixture(scope="session")
 def serve_export_dir(tmp_path_factory) -> Path:
-    """A small token model exported once per session by the real exporter (~15 s)."""
+    """A small token model exported once per session by the real exporter (~15 s). Its positions are
+    a learned table of 128, so the server's length limit is 128 (sinusoidal positions have none)."""
     from export.exporter import export_model
     from model.config import EncoderConfig
 
     config = EncoderConfig(name="serve-test", d_model=32, n_heads=4, n_layers=2, d_ff=64,
-                           vocab_size=100, max_positions=128)
+                           vocab_size=100, max_positions=128, positional="learned")
     return Path(export_model(config, tmp_path_factory.mktemp("serve-export")).directory)
+
+
+@pytest.fixture(scope="session")
+def serve_long_export_dir(tmp_path_factory) -> Path:
+    """A small token model with sinusoidal positions (no length cap) and its sparse long-input graph
+    beside the dense one (`--graphs long`), exported and validated once per session."""
+    from export.exporter import export_model
+    from model.config import EncoderConfig
+
+    config = EncoderConfig(name="serve-long", **TINY)
+    return Path(export_model(config, tmp_path_factory.mktemp("serve-long"), graphs=("long",)).directory)
 
 
 @dataclass

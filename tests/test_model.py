@@ -9,7 +9,7 @@ import torch
 
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
 from model.attention import linear_attention_prefix, masked_softmax
-from model.encoder import build_encoder, sinusoidal_table
+from model.encoder import build_encoder, sinusoidal_positions
 from model.signature import input_names
 from model.mask_kinds import MaskKind
 
@@ -67,14 +67,15 @@ def test_masked_linear_attention_equals_the_linear_time_form(causal):
     np.testing.assert_allclose(quadratic.numpy(), linear_attention_prefix(q, k, v, causal).numpy(), atol=1e-5)
 
 
-def test_sinusoidal_table_follows_the_formula():
-    table = sinusoidal_table(50, 16).numpy()
-    t, k = 37, 3
-    assert table[t, 2 * k] == pytest.approx(math.sin(t / 10000 ** (2 * k / 16)), abs=1e-6)
-    assert table[t, 2 * k + 1] == pytest.approx(math.cos(t / 10000 ** (2 * k / 16)), abs=1e-6)
+@pytest.mark.parametrize("t", [37, 1023, 32767])
+def test_sinusoidal_positions_follow_the_formula_at_any_length(t):
+    table = sinusoidal_positions(t + 1, 16).numpy()
+    for k in (0, 3, 7):
+        assert table[t, 2 * k] == pytest.approx(math.sin(t / 10000 ** (2 * k / 16)), abs=1e-6)
+        assert table[t, 2 * k + 1] == pytest.approx(math.cos(t / 10000 ** (2 * k / 16)), abs=1e-6)
 
 
-def test_sinusoidal_table_is_not_in_the_state_dict(tiny_config):
+def test_sinusoidal_positions_are_not_in_the_state_dict(tiny_config):
     assert not any("sinusoidal" in key for key in build_encoder(tiny_config).state_dict())
 
 

@@ -1,0 +1,122 @@
+"""Attention paths: which exported graph computes which mask kinds, and what each costs (torch-free).
+
+The mask kinds of SEEDS.md exist to cut attention's O(T²) cost. The dense graph computes every kind
+from a [B, T, T] allowed matrix, so a window of 64 costs what full attention costs. The long-input
+paths compute a kind at its own cost, exactly (the export validates each against the dense PyTorch
+reference), without any tensor that has two sequence-sized axes:
+
+  dense   every kind, O(T²): the [B, T, T] allowed matrix and full T × T scores.
+  sparse  softmax attention, rows of kind sliding_window, dilated or local_strided (causal flag or
+          not): blocked banded attention (T padded to blocks of K ≥ the batch's largest window; each
+          block of queries sees its own and its two neighbour blocks, 3K keys) for the window part,
+          and the step-k interleaved sub-sequences attending within themselves for the strided
+          part: O(T·3K + T²/k), the two merged in one softmax (no key counted twice).
+          Windows may differ between the rows of a run (masked inside the band); the step may not:
+          rows of strided kinds in one run share one step (the server splits runs by step).
+  linear  linear (elu+1) and performer attention, rows of kind bidirectional or causal: φ(K)ᵀV and
+          Σφ(K) for bidirectional rows, chunks of CHUNK queries with prefix sums of the per-chunk
+          φ(K)ᵀV for causal rows: O(T).
+
+The server runs each row on the cheapest path that computes its kind exactly (`cheapest`), and
+refuses a request whose attention would not fit its memory budget (`attention_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
+
+DENSE, SPARSE, LINEAR = "dense", "sparse", "linear"
+PATHS = (DENSE, SPARSE, LINEAR)
+
+# The longest sequence a graph with computed positions is exported for (torch.export needs a bound),
+# and the most the server ever admits.
+MAX_SEQUENCE = 1 << 20
+# Smallest block of the banded path (tiny blocks make many tiny matrix products).
+MIN_BLOCK = 16
+# Query chunk of the causal linear path (quadratic inside a chunk, prefix sums across chunks).
+CHUNK = 64
+
+# The kinds each path computes exactly, for the attention kinds it applies to.
+PATH_KINDS = {
+    DENSE: frozenset(MaskKind),
+    SPARSE: frozenset({MaskKind.SLIDING_WINDOW, MaskKind.DILATED, MaskKind.LOCAL_STRIDED}),
+    LINEAR: frozenset({MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL}),
+}
+
+# Bytes of live float32 activations per attention score element, per path, at the peak of one
+# layer (scores, their masked copy, exponentials, probabilities; the [B, T, T] mask and custom-mask
+# input for dense). Measured with peak RSS on the default model (docs/performance.md, "Long inputs").
+BYTES_PER_SCORE = {DENSE: 30.0, SPARSE: 18.0, LINEAR: 12.0}
+# Bytes per token per model dimension outside attention (hidden states, FFN activations, outputs).
+BYTES_PER_TOKEN_DIM = 48.0
+
+
+def long_path(config: EncoderConfig) -> str | None:
+    """The long-input path an export of `config` has beside dense, or None (additive attention)."""
+    if config.attention == "softmax":
+        return SPARSE
+    if config.attention in ("linear", "performer"):
+        return LINEAR
+    return None
+
+
+@dataclass(frozen=True)
+class RowMask:
+    """The mask fields of one row that decide its path and cost."""
+
+    kind: MaskKind
+    window: int = 0
+    step: int = 1
+
+
+def block_size(window: int, length: int) -> int:
+    """The banded path's block K for a run whose largest window is `window`, at `length` tokens."""
+    return max(1, min(max(window, MIN_BLOCK), length))
+
+
+def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig) -> float:
+    """Attention score elements one row computes per head and layer on `path` (its work and memory)."""
+    t = max(length, 1)
+    if path == DENSE:
+        return float(t * t)
+    if path == LINEAR:
+        features = config.performer_features if config.attention == "performer" else config.head_dim
+        return float(t * (CHUNK + 2 * features))
+    window = mask.window if mask.kind.uses_window else -1
+    k = block_size(window, t)
+    band = math.ceil(t / k) * k * 3 * k
+    if mask.kind.uses_step:
+        step = min(max(mask.step, 1), t)
+        groups = math.ceil(t / step)
+        strided = groups * step * groups
+    else:
+        strided = t
+    return float(band + strided)
+
+
+def computes(path: str, kind: MaskKind, config: EncoderConfig) -> bool:
+    """Whether `path` computes rows of `kind` exactly for this config's attention."""
+    return path == DENSE or (path == long_path(config) and kind in PATH_KINDS[path])
+
+
+def cheapest(length: int, mask: RowMask, config: EncoderConfig, available: tuple[str, ...]) -> str:
+    """The path of `available` that computes the row exactly with the fewest score elements (dense on a tie)."""
+    best, best_cost = DENSE, score_elements(DENSE, length, mask, config)
+    for path in available:
+        if path != DENSE and computes(path, mask.kind, config):
+            cost = score_elements(path, length, mask, config)
+            if cost < best_cost:
+                best, best_cost = path, cost
+    return best
+
+
+def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: EncoderConfig) -> int:
+    """Estimated peak bytes of one run of `rows` rows of `length` tokens on `path` (one layer's attention
+    at its peak, plus the activations that scale with the tokens)."""
+    scores = score_elements(path, length, mask, config) * config.n_heads * BYTES_PER_SCORE[path]
+    tokens = length * max(config.d_model, config.d_ff) * BYTES_PER_TOKEN_DIM / 4
+    return int(rows * (scores + tokens))

@@ -1,0 +1,107 @@
+"""Which attention path each row runs on, and the memory budget that keeps long inputs from an OOM kill.
+
+Each row runs on the cheapest attention path the export has that computes its mask kind exactly
+(model/attention_paths.py): a 32k-token sliding-window row on the sparse graph, a bidirectional row on
+the dense one. A request is admitted only if its attention fits `max_attention_bytes` (estimated
+from rows, lengths, paths, heads); one that does not gets RESOURCE_EXHAUSTED naming the limit and the
+mask kinds that would fit, and the server goes on serving. The batcher never forms a batch whose
+estimate exceeds the budget, so two admitted requests cannot add up past it either.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from model.attention_paths import DENSE, MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
+from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
+from serve.core import Row
+from serve.errors import TooLarge
+
+# The share of the memory this process may use that attention may take by default.
+DEFAULT_SHARE = 0.5
+# What a client is told would fit, when its own request does not say (ModernBERT's local window).
+EXAMPLE_WINDOW, EXAMPLE_STEP = 128, 64
+
+
+def available_memory() -> int:
+    """Bytes this process may use: the cgroup (container) limit when there is one, else physical memory."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budget() -> int:
+    return int(available_memory() * DEFAULT_SHARE)
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= (1 << 28) else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class AttentionBudget:
+    config: EncoderConfig
+    paths: tuple[str, ...]  # the attention paths the backend has a graph for
+    max_bytes: int
+
+    def path(self, row: Row) -> str:
+        return cheapest(row.length, row.mask, self.config, self.paths)
+
+    def row_bytes(self, row: Row) -> int:
+        return attention_bytes(self.path(row), 1, row.length, row.mask, self.config)
+
+    def request_bytes(self, rows: tuple[Row, ...]) -> int:
+        return sum(self.row_bytes(row) for row in rows)
+
+    def check(self, rows: tuple[Row, ...]) -> int:
+        """The request's estimated attention bytes; TooLarge (RESOURCE_EXHAUSTED) over the budget."""
+        total = self.request_bytes(rows)
+        if total <= self.max_bytes:
+            return total
+        longest = max(rows, key=lambda r: r.length)
+        mask, length = longest.mask, longest.length
+        fits = [kind.label for kind in MaskKind if kind != mask.kind and self._fits(kind, mask, length, len(rows))]
+        hint = (f"; at this length {', '.join(fits)} fit (sliding window {self._example(mask)[0]}, "
+                f"step {self._example(mask)[1]})" if fits else "; send fewer or shorter sequences")
+        many = f"{len(rows)} sequences, " if len(rows) > 1 else ""
+        raise TooLarge(
+            f"sequences: attention for {many}{mask.kind.label} at T={length} on the {self.path(longest)} path "
+            f"needs about {gib(total)}, over max_attention_bytes={self.max_bytes} ({gib(self.max_bytes)}){hint}"
+        )
+
+    def _example(self, mask: RowMask) -> tuple[int, int]:
+        return (mask.window if mask.kind.uses_window else EXAMPLE_WINDOW,
+                mask.step if mask.kind.uses_step and mask.step > 1 else EXAMPLE_STEP)
+
+    def _fits(self, kind: MaskKind, mask: RowMask, length: int, rows: int) -> bool:
+        window, step = self._example(mask)
+        other = RowMask(kind, window, step)
+        path = cheapest(length, other, self.config, self.paths)
+        return rows * attention_bytes(path, 1, length, other, self.config) <= self.max_bytes
+
+    def max_length(self) -> int:
+        """The longest single row that fits on the cheapest path of any kind (shown as max_sequence_length)."""
+
+        def fits(length: int) -> bool:
+            for kind in MaskKind:
+                mask = RowMask(kind, 0, length)
+                path = cheapest(length, mask, self.config, self.paths)
+                if computes(path, kind, self.config) and attention_bytes(path, 1, length, mask, self.config) <= self.max_bytes:
+                    return True
+            return False
+
+        low, high = 0, MAX_SEQUENCE
+        while low < high:  # the largest length that fits (lengths that fit form a prefix)
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low
+
+
+__all__ = ["AttentionBudget", "DENSE", "default_budget"]
