@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pathlib import Path
+
+from bench.long_bench import run_long
 from bench.run import BenchOptions, run_bench
 
 
@@ -32,7 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: PyTorch, every session and the server on the GPU (needs onnxruntime-gpu)")
     parser.add_argument("--rss-requests", default=None, help="two request counts, e.g. 1000,20000")
+    parser.add_argument("--long", action="store_true",
+                        help="only the long-input benchmark (bench/long_bench.py), into bench-results/long.json")
+    parser.add_argument("--no-long", action="store_true", help="skip the long-input part of a full run")
     args = parser.parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    long_out = str(Path(args.out).with_name("long.json"))
+    if args.long:
+        report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say)
+        print(report["table"])
+        print(f"\nwrote {long_out}")
+        return 0
     overrides = {"out": args.out, "export_dir": args.export_dir, "threads": args.threads,
                  "server": not args.no_server, "model": not args.no_model, "serve_graph": args.serve_graph,
                  "device": args.device}
@@ -45,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_requests:
         overrides["rss_checkpoints"] = tuple(int(x) for x in args.rss_requests.split(","))
     options = BenchOptions.quick_defaults(**overrides) if args.quick else BenchOptions(**overrides)
-    report = run_bench(options, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_bench(options, progress=say)
     print(report["table"])
     print(f"\nwrote {options.out}")
+    if not args.quick and not args.no_long and not args.export_dir and args.device == "cpu":
+        long_report = run_long(long_out, threads=args.threads, say=say)
+        print(long_report["table"])
+        print(f"\nwrote {long_out}")
     return 0
 
 

@@ -145,3 +145,51 @@ def test_tf32_opt_in_still_runs_on_cuda_within_the_fp16_cosine_bound(serve_start
         assert _cosine(out.embeddings[0], reference(seq)[1]) >= FP16_MIN_COSINE
     finally:
         assert server.terminate() == 0, server.log()
+
+
+# --- long inputs on CUDA (model/attention_paths.py): the sparse and linear graphs equal PyTorch there too
+
+
+LONG_SPECS = [
+    dict(mask=MaskKind.SLIDING_WINDOW, window=0), dict(mask=MaskKind.SLIDING_WINDOW, window=64, causal=True),
+    dict(mask=MaskKind.DILATED, step=7), dict(mask=MaskKind.LOCAL_STRIDED, window=5, step=2, causal=True),
+]
+
+
+@pytest.mark.parametrize("options", LONG_SPECS, ids=_label)
+def test_sparse_graph_on_cuda_equals_pytorch(serve_long_export_dir, options):
+    from export.cases import MaskSpec, make_feeds
+    from export.contract import ExportContract
+    from export.validate import reference_outputs
+    from model.attention_paths import SPARSE
+    from model.config import from_dict
+    from model.encoder import build_encoder
+
+    config = from_dict(json.loads((serve_long_export_dir / "metadata.json").read_text())["config"])
+    session = ort.InferenceSession(str(serve_long_export_dir / "model.sparse.onnx"),
+                                   providers=[(CUDA, {"use_tf32": "0"})])
+    assert session.get_providers()[0] == CUDA
+    spec = MaskSpec(options["mask"], window=options.get("window", 0), step=options.get("step", 1),
+                    causal=options.get("causal", False))
+    feeds = make_feeds(config, [2049, 1000, 129, 0], spec, seed=4)
+    contract = ExportContract(config, path=SPARSE)
+    hidden, pooled = session.run(None, {s.name: feeds[s.name] for s in contract.inputs})
+    want_hidden, want_pooled = reference_outputs(build_encoder(config), ExportContract(config), feeds)
+    valid = feeds["attention_mask"].astype(bool)
+    np.testing.assert_allclose(hidden[valid], want_hidden[valid], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(pooled, want_pooled, atol=ATOL, rtol=0)
+
+
+def test_a_long_window_request_served_on_cuda_runs_sparse_and_equals_pytorch(serve_start, serve_long_export_dir,
+                                                                             reference_for):
+    server = serve_start(serve_long_export_dir, "--device", "cuda", timeout=180.0)
+    ids = _ids(5000, seed=9) % 97
+    with EncoderClient(server.target, timeout=120) as client:
+        from serve.client import build_request
+
+        response = client.stub.Encode(build_request([ids], mask="sliding_window", window=32), timeout=120)
+    assert list(response.metadata.attention_paths) == ["sparse"]
+    assert response.metadata.execution_provider == CUDA
+    _, pooled = reference_for(serve_long_export_dir)(ids, MaskKind.SLIDING_WINDOW, window=32)
+    np.testing.assert_allclose(np.frombuffer(response.results[0].embedding.data, np.float32), pooled, atol=ATOL)
+    assert server.terminate() == 0, server.log()
