@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -25,53 +24,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-DOCKER = "/usr/bin/docker"  # another `docker` on PATH may be a bare client
-LOCAL_DOCKER = REPO.parent / "shared" / "tools" / "local-docker.sh"
+from tests.docker_env import DOCKER, REPO, ensure_engine, free_port as _free_port, image_size as _image_size
+from tests.docker_env import run as _run
+
 REF_ATOL = 1e-4  # the export's fp32 tolerance vs PyTorch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def _run(cmd: list[str], *, env: dict | None = None, timeout: float = 900, check: bool = True,
-         capture: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout,
-                            capture_output=capture, text=True)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout[-4000:]}\n"
-                             f"{result.stderr[-4000:]}")
-    return result
-
-
-def _engine_up() -> bool:
-    return Path(DOCKER).exists() and subprocess.run([DOCKER, "info"], capture_output=True).returncode == 0
-
-
-def _compose_bin() -> str | None:
-    return shutil.which("docker-compose")
-
-
 @pytest.fixture(scope="module")
 def engine():
     """A running engine + docker-compose + the python:3.11-slim base image, or a skip with the reason."""
-    if not _engine_up() or _compose_bin() is None or \
-            subprocess.run([DOCKER, "image", "inspect", "python:3.11-slim"], capture_output=True).returncode:
-        if not LOCAL_DOCKER.exists():
-            pytest.skip(f"no Docker engine running and no {LOCAL_DOCKER} to start one")
-        if os.geteuid() != 0:
-            pytest.skip("no Docker engine running, and starting one (local-docker.sh) needs root")
-        started = time.monotonic()
-        result = subprocess.run(["bash", str(LOCAL_DOCKER)], capture_output=True, text=True, timeout=1200)
-        if result.returncode != 0 or not _engine_up():
-            pytest.skip(f"could not start a Docker engine with {LOCAL_DOCKER}: {result.stderr[-2000:]}")
-        print(f"local-docker.sh: engine + base image ready in {time.monotonic() - started:.0f} s")
-    return _compose_bin()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ensure_engine()
 
 
 class Project:
@@ -104,11 +68,6 @@ def project(engine):
     finally:
         if os.environ.get("SMOKE_KEEP") != "1":
             project.down()
-
-
-def _image_size(tag: str) -> str:
-    size = int(_run([DOCKER, "image", "inspect", "-f", "{{.Size}}", tag]).stdout.strip())
-    return f"{size / 1e6:.0f} MB"
 
 
 def _wait_healthy(project: Project, container: str, timeout: float = 180) -> None:

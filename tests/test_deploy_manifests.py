@@ -1,0 +1,201 @@
+"""The Kubernetes and KServe manifests in deploy/ checked offline, with no cluster and no Docker.
+
+* Every Kubernetes object is validated, strictly (unknown fields are errors), against the Kubernetes
+  OpenAPI JSON schemas that `kubernetes-validate` ships: the oldest version the manifests support
+  (1.27: native gRPC probes are GA there) and the newest the package knows.
+* The KServe InferenceService is a custom resource, and no registry package ships its CRD schema (the
+  `kserve` SDK on PyPI has generated Python models, not the CRD's OpenAPI). So its predictor
+  containers are validated against the core/v1 Container schema (that is what KServe embeds), and its
+  fields are cross-checked with the files they must agree with: the image names docker-compose builds,
+  the ports and ENV the Dockerfile's targets set, and the server's own argument and environment parser
+  (`serve.config.load_config`), which must accept every container's args and ENCODER_* variables.
+  The Deployment and the export Job are cross-checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the dev extra brings kubernetes-validate")
+
+from serve.config import ENV_PREFIX, ServerConfig, load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+NON_CORE_API_GROUPS = ("kustomize.config.k8s.io/", "serving.kserve.io/")  # no schema in kubernetes-validate
+
+
+def _documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _kubernetes_objects() -> list[tuple[str, dict]]:
+    objects = []
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for doc in _documents(path):
+            if not doc["apiVersion"].startswith(NON_CORE_API_GROUPS):
+                objects.append((f"{path.relative_to(REPO)}:{doc['kind']}/{doc['metadata']['name']}", doc))
+    return objects
+
+
+def _by_kind(kind: str, path: Path) -> list[dict]:
+    return [doc for doc in _documents(path) if doc["kind"] == kind]
+
+
+def _dockerfile_stage(name: str) -> dict[str, set[str] | dict[str, str]]:
+    """EXPOSE ports and ENV of one stage of docker/Dockerfile, as written there."""
+    text = (REPO / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    stages = re.split(r"^FROM ", text, flags=re.M)
+    body = next(s for s in stages if re.match(rf"\S+ AS {name}\s*$", s.splitlines()[0]))
+    expose, env = set(), {}
+    for line in body.splitlines():
+        if line.startswith("EXPOSE "):
+            expose |= set(line.split()[1:])
+        elif line.startswith("ENV "):
+            env.update(dict(pair.split("=", 1) for pair in line.split()[1:]))
+    return {"expose": expose, "env": env}
+
+
+def _compose_images() -> dict[str, str]:
+    """Service -> image as docker-compose names it, default values of ${VAR:-default} filled in."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    default = re.compile(r"\$\{[A-Z_]+:?-([^}]*)\}")
+    return {name: default.sub(r"\1", spec["image"]) for name, spec in services.items()}
+
+
+def _repository_and_tag(image: str) -> tuple[str, str]:
+    name, _, tag = image.rpartition(":")
+    return name.rsplit("/", 1)[-1], tag
+
+
+def _check_serving_container(container: dict, stage: str) -> None:
+    """A serving container agrees with the image target it runs and with the server's parser."""
+    built = _dockerfile_stage(stage)
+    env = {item["name"]: item["value"] for item in container.get("env", [])}
+    unknown = {name for name in env if name.startswith(ENV_PREFIX)} - \
+        {ENV_PREFIX + field.name.upper() for field in dataclasses.fields(ServerConfig)}
+    assert not unknown, f"{container['name']}: no such server setting {sorted(unknown)}"
+    # The server's own parser takes the args with the image's ENV overlaid by the manifest's env.
+    config = load_config(container.get("args", []), environ={**built["env"], **env})
+    assert config.device == built["env"]["ENCODER_DEVICE"], "args pick another device than the image's target"
+
+    ports = {port["containerPort"] for port in container["ports"]}
+    assert config.port in ports and str(config.port) in built["expose"], (ports, config.port, built["expose"])
+    for port in ports:
+        assert str(port) in built["expose"], f"containerPort {port} is not EXPOSEd by the {stage} target"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if probe in container:
+            assert container[probe]["grpc"]["port"] == config.port, f"{probe} checks another port"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name,obj", _kubernetes_objects(), ids=lambda value: value if isinstance(value, str) else "")
+def test_every_kubernetes_manifest_validates_strictly_against_the_schema(name, obj, version):
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_rejects_a_misspelt_field():
+    """The check has teeth: a typo in a probe is an error, not an ignored key."""
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grcp"] = {"port": 50051}
+    with pytest.raises(kubernetes_validate.ValidationError, match="grcp"):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest_in_its_folder():
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    present = {path.name for path in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present
+
+
+def test_deployment_runs_the_gpu_image_with_ports_probes_and_args_the_server_accepts():
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert _repository_and_tag(container["image"]) == _repository_and_tag(_compose_images()["serve"])
+    _check_serving_container(container, "gpu")
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's user (docker/Dockerfile)
+    grace = load_config([], environ={item["name"]: item["value"] for item in container["env"]}).grace_s
+    assert pod["terminationGracePeriodSeconds"] > grace, "Kubernetes would kill the pod mid-drain"
+    metrics = next(port["containerPort"] for port in container["ports"] if port["name"] == "metrics")
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(metrics)
+
+
+def test_services_target_named_ports_of_the_deployment():
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    container_ports = {port["name"] for port in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for service in _by_kind("Service", DEPLOY / "k8s" / "service.yaml"):
+        assert service["spec"]["selector"].items() <= labels.items()
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in container_ports
+
+
+def test_export_job_runs_the_export_image_into_the_claim_the_deployment_mounts():
+    path = DEPLOY / "k8s" / "export-job.yaml"
+    (job,), (claim,) = _by_kind("Job", path), _by_kind("PersistentVolumeClaim", path)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert _repository_and_tag(container["image"]) == _repository_and_tag(_compose_images()["export"])
+    from export.cli import build_parser as export_parser
+
+    args = export_parser().parse_args(container["args"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "exports")
+    assert str(args.out_dir) == mount["mountPath"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    serving_claims = {v["persistentVolumeClaim"]["claimName"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+                      if "persistentVolumeClaim" in v}
+    assert serving_claims == {claim["metadata"]["name"]}
+
+
+def test_hpa_scales_the_deployment():
+    (hpa,) = _by_kind("HorizontalPodAutoscaler", DEPLOY / "k8s" / "hpa.yaml")
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert hpa["spec"]["minReplicas"] <= deployment["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def _inference_services() -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc
+            for doc in _by_kind("InferenceService", DEPLOY / "kserve" / "inferenceservice.yaml")}
+
+
+def test_kserve_custom_predictor_container_validates_against_the_core_container_schema():
+    for name, service in _inference_services().items():
+        assert service["apiVersion"] == "serving.kserve.io/v1beta1"
+        for container in service["spec"]["predictor"].get("containers", []):
+            # kubernetes-validate resolves a schema by kind; a bare Container has none, so wrap it in
+            # the smallest Pod, whose strict schema embeds the core/v1 Container that KServe embeds.
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                   "spec": {"containers": [container]}}
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_kserve_custom_predictor_agrees_with_the_image_and_the_server():
+    predictor = _inference_services()["encoder"]["spec"]["predictor"]
+    (container,) = predictor["containers"]
+    assert container["name"] == "kserve-container"  # the name KServe gives the model server container
+    assert _repository_and_tag(container["image"]) == _repository_and_tag(_compose_images()["serve"])
+    _check_serving_container(container, "gpu")
+    # KServe routes gRPC to a port named h2c; it must be the server's gRPC port.
+    (port,) = container["ports"]
+    assert port["name"] == "h2c"
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["ENCODER_EXPORT_DIR"] == "/mnt/models"  # where KServe's storage initializer writes STORAGE_URI
+    assert predictor["minReplicas"] <= predictor["maxReplicas"]
+
+
+def test_kserve_triton_predictor_uses_the_v2_protocol_on_an_onnx_model():
+    model = _inference_services()["encoder-triton"]["spec"]["predictor"]["model"]
+    assert model["modelFormat"]["name"] == "onnx" and model["protocolVersion"] == "v2"
+    assert [port["name"] for port in model["ports"]] == ["h2c"]
