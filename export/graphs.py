@@ -40,7 +40,8 @@ GRAPHS: dict[str, GraphVariant] = {
     # int8 weights move every hidden value a little: judged on the direction of the pooled vector.
     "int8": GraphVariant(
         "int8", "model.int8.onnx", {"metric": "min_cosine", "limit": 0.999}, build_int8,
-        "dynamic int8 quantisation (QInt8 weights per channel, QAttention) of the fused-attention graph, for CPU",
+        "dynamic int8 quantisation (QInt8 weights per channel in a 7-bit range, QAttention) of the "
+        "fused-attention graph, for CPU",
     ),
     # Built for CUDA; ONNX Runtime's CPU provider runs it too (casting around the kernels it lacks
     # in float16), so the export validates it here.

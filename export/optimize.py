@@ -15,7 +15,16 @@ optimized: two passes.
   than the Add, Add, LayerNormalization it replaces (2.29 vs 1.87 ms at [8, 256, 256]; the whole
   graph 12 % faster at (8, 256) without it, int8 19 %), so that fusion was removed.
 int8: dynamic quantisation (int8 weights per channel, activations quantised per call) of the
-  graph after pass 1, for CPU.
+  graph after pass 1, for CPU. Weights are quantised to 7 bits (`reduce_range=True`, values in
+  [-64, 64]). Why: on x86 CPUs without VNNI (AVX2, or AVX-512 without VNNI) ONNX Runtime's
+  uint8 x int8 GEMM multiplies with vpmaddubsw, which adds each pair of u8*s8 products into a
+  saturating int16; with full 8-bit weights, 2 * 255 * 127 overflows it. On an AMD EPYC with AVX2
+  and no AVX-512/VNNI that took the pooled min_cosine to 0.98 (limit 0.999) for both the tests'
+  small encoders and the default model. With 7-bit weights the pair sum fits in int16, so the
+  integer products no longer saturate, the result is the same on either kind of CPU, and the graph
+  still runs the u8 x s8 kernels (vpdpbusd where VNNI exists). Measured on that EPYC (default model): min_cosine 0.99991; uint8 weights (U8U8) were
+  also within tolerance (0.99995) but 19 % slower at (8, 256) and cannot use VNNI's u8 x s8
+  instruction, so they were not chosen (docs/performance.md, "int8").
 fp16: float16 weights and arithmetic with float32 inputs and outputs, for CUDA.
 """
 
@@ -282,7 +291,8 @@ def build_optimized(fp32_path: str, out_path: str, config: EncoderConfig) -> Non
 def build_int8(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
     """Dynamic int8 quantisation of the attention-fused graph: int8 weights per output channel for
     every MatMul and the packed Q|K|V of every Attention (-> QAttention); activations are
-    quantised to uint8 per call. Per channel measured faster here than per tensor, and closer."""
+    quantised to uint8 per call. Per channel measured faster here than per tensor, and closer.
+    reduce_range=True (7-bit weights): no int16 saturation on CPUs without VNNI (module docstring)."""
     import logging
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -296,6 +306,7 @@ def build_int8(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
         root.setLevel(logging.ERROR)  # quantize_dynamic logs a "consider pre-processing" warning
         try:
             quantize_dynamic(fused_path, out_path, weight_type=QuantType.QInt8, per_channel=True,
+                             reduce_range=True,  # 7-bit weights: see the module docstring
                              op_types_to_quantize=["MatMul", "Attention"],
                              extra_options={"DefaultTensorType": TensorProto.FLOAT})
         finally:
