@@ -80,9 +80,11 @@ def _sparse_specs():
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("spec", _sparse_specs(), ids=lambda s: s.label())
 def test_sparse_graph_equals_dense_pytorch(long_graphs, spec, length):
-    """Every window/step/causal choice, a full row and a padded row in one batch."""
+    """Every window/step/causal choice; up to 129 tokens a full row and a padded row in one batch (the
+    dense reference is the slow part at 1000 and 2049; padding is covered by the shorter ones)."""
     graph = long_graphs["sparse"]
-    graph.check(make_feeds(graph.config, [length, length // 2 + 1], spec, seed=length))
+    lengths = [length, length // 2 + 1] if length <= 129 else [length]
+    graph.check(make_feeds(graph.config, lengths, spec, seed=length))
 
 
 @pytest.mark.parametrize("spec", [MaskSpec(MaskKind.SLIDING_WINDOW, window=9, causal=True),
