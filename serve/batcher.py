@@ -349,6 +349,6 @@ def postprocess(request: EncodeRequest, hidden: np.ndarray, mean_pooled: np.ndar
         embedding = mean_pooled
     elif request.pooling == "first":
         embedding = hidden[0]
-    if embedding is not None and request.normalize:
+    if embedding is not None and request.normalize and not request.chunks:  # chunks: after pooling them
         embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)
     return SequenceOutput(hidden if request.hidden_states else None, embedding)

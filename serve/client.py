@@ -42,12 +42,15 @@ class EncodeOutput:
     metadata: "pb.ResponseMetadata"
     token_counts: tuple[int, ...] = ()  # tokens per sequence / text (after truncation, special tokens included)
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the model's max_text_tokens (truncate=True)
+    chunks: tuple[int, ...] = ()  # texts only, chunk=True: windows each text was encoded in
+    attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (dense | sparse | linear)
 
 
 def build_request(
     sequences: Sequence, *, mask: str | MaskKind = "bidirectional", causal: bool = False, window: int = 0,
     step: int = 0, custom: np.ndarray | None = None, hidden_states: bool = False, pooling: str | None = None,
     normalize: bool | None = None, request_id: str = "", texts: Sequence[str] = (), truncate: bool = False,
+    chunk: bool = False,
 ) -> "pb.EncodeRequest":
     """An EncodeRequest of token-id / feature `sequences`, or of `texts` (send one of the two)."""
     kind = mask if isinstance(mask, MaskKind) else MaskKind.parse(mask)
@@ -60,7 +63,7 @@ def build_request(
             array = array.astype(np.float32, copy=False)
         tensors.append(from_numpy(array))
     msg = pb.EncodeRequest(
-        request_id=request_id, sequences=tensors, texts=list(texts), truncate=truncate,
+        request_id=request_id, sequences=tensors, texts=list(texts), truncate=truncate, chunk=chunk,
         mask=pb.Mask(kind=int(kind), causal=causal, window=window, step=step),
         output=pb.OutputOptions(hidden_states=hidden_states, pooling=_POOLING[pooling]),
     )
@@ -81,6 +84,8 @@ def parse_response(response: "pb.EncodeResponse") -> EncodeOutput:
         metadata=response.metadata,
         token_counts=tuple(response.metadata.token_counts),
         truncated=tuple(response.metadata.truncated),
+        chunks=tuple(response.metadata.chunks),
+        attention_paths=tuple(response.metadata.attention_paths),
     )
 
 
@@ -145,10 +150,12 @@ class EncoderClient:
     def encode(self, sequences: Sequence, **options) -> EncodeOutput:
         return parse_response(self._call(self.stub.Encode, build_request(sequences, **options)))
 
-    def embed(self, texts: Sequence[str], *, truncate: bool = False, **options) -> EncodeOutput:
-        """Embeds `texts` in one request (the server tokenizes); `truncate` cuts over-long texts."""
+    def embed(self, texts: Sequence[str], *, truncate: bool = False, chunk: bool = False,
+              **options) -> EncodeOutput:
+        """Embeds `texts` in one request (the server tokenizes); `truncate` cuts over-long texts,
+        `chunk` encodes them as overlapping windows pooled into one embedding per text."""
         request = build_request((), texts=[texts] if isinstance(texts, str) else list(texts), truncate=truncate,
-                                **options)
+                                chunk=chunk, **options)
         return parse_response(self._call(self.stub.Encode, request))
 
     def model_info(self) -> "pb.ModelInfo":

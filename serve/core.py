@@ -37,6 +37,8 @@ class EncodeRequest:
     texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/text.py)
     truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
     truncated: tuple[bool, ...] = ()  # texts only, set by the Engine: which texts were cut
+    chunk: bool = False  # texts only: encode a long text as overlapping windows, pooled (serve/text.py)
+    chunks: tuple[int, ...] = ()  # texts only, set by the Engine with chunk: rows (windows) per text
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class EncodeResult:
     token_counts: tuple[int, ...] = ()  # tokens each sequence ran with (its row length)
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
     attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (model/attention_paths.py)
+    chunks: tuple[int, ...] = ()  # texts only, with chunk: windows each text was encoded in
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("texts", nargs="*", help="texts to embed; none or `-`: read lines from stdin")
     parser.add_argument("--truncate", action="store_true",
                         help="cut texts over the model's max_text_tokens instead of failing")
+    parser.add_argument("--chunk", action="store_true",
+                        help="encode texts over max_text_tokens as overlapping windows, pooled into one embedding")
     parser.add_argument("--pooling", choices=["default", "mean", "first"], default="default")
     parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                         help="L2-normalise (default: the export's setting)")
@@ -57,8 +59,8 @@ def run(client, args: argparse.Namespace, stdin: TextIO | None = None, stdout: T
     size = args.batch_size or client.model_info().limits.max_sequences_per_request or 32
     vectors, counts, cut, metadata = [], [], [], None
     for start in range(0, len(texts), size):
-        out = client.embed(texts[start:start + size], truncate=args.truncate, pooling=args.pooling,
-                           normalize=args.normalize)
+        out = client.embed(texts[start:start + size], truncate=args.truncate, chunk=args.chunk,
+                           pooling=args.pooling, normalize=args.normalize)
         vectors.append(out.embeddings)
         counts.extend(out.token_counts)
         cut.extend(out.truncated)

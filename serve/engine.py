@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
+import numpy as np
 from dataclasses import dataclass
 
 from model.config import to_json
@@ -15,7 +17,7 @@ from serve.attention_budget import AttentionBudget, default_budget
 from serve.backend import Backend
 from serve.batcher import Batcher, Ticket
 from serve.config import ServerConfig
-from serve.core import EncodeRequest, EncodeResult, Limits, to_rows
+from serve.core import EncodeRequest, EncodeResult, Limits, SequenceOutput, to_rows
 from serve.errors import DeadlineExceeded, ValidationError
 from serve.export_dir import ExportDir
 from serve.text import TextTokenizer
@@ -86,16 +88,29 @@ class Engine:
             raise ValidationError(
                 f"texts: {n} texts exceed max_sequences_per_request={self.limits.max_sequences_per_request}"
             )
-        sequences, truncated = self.text.encode(request.texts, truncate=request.truncate)
-        return dataclasses.replace(request, sequences=sequences, truncated=truncated)
+        if request.chunk:
+            if request.truncate:
+                raise ValidationError("texts: chunk and truncate are two answers to a long text; set one")
+            if request.hidden_states or request.pooling != "mean":
+                raise ValidationError("texts: chunk=true pools each text's windows into one mean embedding; "
+                                      "ask for pooling mean and no hidden_states")
+        sequences, truncated, chunks = self.text.encode(request.texts, truncate=request.truncate,
+                                                        chunk=request.chunk)
+        if len(sequences) > self.server.max_batch_size:
+            raise ValidationError(
+                f"texts: {len(request.texts)} texts make {len(sequences)} windows, over "
+                f"max_batch_size={self.server.max_batch_size}; send fewer or shorter texts")
+        return dataclasses.replace(request, sequences=sequences, truncated=truncated,
+                                   chunks=chunks if request.chunk else ())
 
     def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return ticket.wait(timeout)
+            result = ticket.wait(timeout)
         except DeadlineExceeded:
             ticket.cancel()
             raise
+        return pool_chunks(result, ticket.request) if ticket.request.chunks else result
 
     def encode(self, request: EncodeRequest, deadline: float | None = None) -> EncodeResult:
         return self.wait(self.submit(request, deadline), deadline)
@@ -132,3 +147,23 @@ class Engine:
             default_pooling=self.export.default_pooling,
             default_normalize=self.export.default_normalize,
         )
+
+
+def pool_chunks(result: EncodeResult, request: EncodeRequest) -> EncodeResult:
+    """One output per text from its windows' rows: the token-weighted mean of their mean-pooled
+    embeddings (each window's mean weighs as many tokens as it holds), normalized after pooling
+    when asked. Token counts are per text, summed over its windows (overlaps counted in each)."""
+    outputs, counts, paths, row = [], [], [], 0
+    for n in request.chunks:
+        rows = range(row, row + n)
+        weights = np.array([result.token_counts[r] for r in rows], np.float64)
+        stacked = np.stack([result.outputs[r].embedding for r in rows]).astype(np.float64)
+        embedding = (weights[:, None] * stacked).sum(0) / weights.sum()
+        if request.normalize:
+            embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)
+        outputs.append(SequenceOutput(None, embedding.astype(np.float32)))
+        counts.append(int(weights.sum()))
+        paths.append(result.attention_paths[row] if result.attention_paths else "")
+        row += n
+    return dataclasses.replace(result, outputs=tuple(outputs), token_counts=tuple(counts),
+                               attention_paths=tuple(paths), chunks=request.chunks)

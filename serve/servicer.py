@@ -53,6 +53,7 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
         request_id=msg.request_id,
         texts=tuple(msg.texts),
         truncate=bool(msg.truncate),
+        chunk=bool(msg.chunk),
     )
 
 
@@ -84,6 +85,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
             total_tokens=sum(result.token_counts),
             truncated=list(result.truncated),
             attention_paths=list(result.attention_paths),
+            chunks=list(result.chunks),
         ),
     )
 

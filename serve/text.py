@@ -7,7 +7,9 @@ embedding table and a single text gets segment (token type) ids of 0, the zeros 
 Per request (`encode`): every text is non-empty; it is tokenized with the special tokens the file
 defines ([CLS] … [SEP] for BERT) and no truncation, so a text over max_length is refused with its
 length, or, when the request sets `truncate`, re-tokenized with truncation to max_length (as
-sentence-transformers does). Padding is the batcher's job: texts become ordinary token rows and
+sentence-transformers does), or, when it sets `chunk`, re-tokenized into overlapping windows of
+max_length (tokenizers' own overflow with a stride of max_length / 8; each window has the special
+tokens) that the Engine pools back into one embedding per text. Padding is the batcher's job: texts become ordinary token rows and
 batch with every other request.
 """
 
@@ -38,6 +40,9 @@ class TextTokenizer:
         except TokenizerError as error:
             raise ExportError(str(error)) from None
         self._cut.enable_truncation(max_length=max_length)
+        self._windows = read_tokenizer(tokenizer_file)
+        self.overlap = max_length // 8
+        self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
         self.max_length = max_length
         vocab = self._full.get_vocab_size(with_added_tokens=True)
         if vocab > config.vocab_size:
@@ -74,15 +79,22 @@ class TextTokenizer:
             )
         return cls(path, max_length, export.config)
 
-    def encode(self, texts: Sequence[str], *, truncate: bool = False
-               ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...]]:
-        """(int64 [T_i] token ids per text (special tokens included), whether each was truncated);
-        ValidationError names `texts[i]`."""
+    def encode(self, texts: Sequence[str], *, truncate: bool = False, chunk: bool = False
+               ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...], tuple[int, ...]]:
+        """(int64 [T] token ids per row (special tokens included), whether each text was truncated,
+        rows per text: 1, or with `chunk` the windows of a text over max_length); ValidationError names
+        `texts[i]`."""
         for i, text in enumerate(texts):
             if not text:
                 raise ValidationError(f"texts[{i}]: empty text; send at least one character")
         encodings = self._full.encode_batch(list(texts))
         over = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_length]
+        if over and chunk:
+            windows = dict(zip(over, self._windows.encode_batch([texts[i] for i in over])))
+            rows = [[e] if i not in windows else [windows[i], *windows[i].overflowing]
+                    for i, e in enumerate(encodings)]
+            return (tuple(np.asarray(w.ids, dtype=np.int64) for text in rows for w in text),
+                    (False,) * len(encodings), tuple(len(text) for text in rows))
         if over and not truncate:
             i = over[0]
             raise ValidationError(
@@ -94,4 +106,4 @@ class TextTokenizer:
                 encodings[i] = encoding
         cut = set(over)
         return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
-                tuple(i in cut for i in range(len(encodings))))
+                tuple(i in cut for i in range(len(encodings))), (1,) * len(encodings))

@@ -335,3 +335,53 @@ def test_v2_texts_with_input_ids_is_invalid_argument(v2):
     with pytest.raises(InferenceServerException) as error:
         v2_client.infer(name, [texts, ids])
     assert "INVALID_ARGUMENT" in str(error.value.status()) and "either texts or input_ids" in error.value.message()
+
+
+# --- long texts as overlapping windows (chunk=true) -----------------------------------------------------
+
+LONG_TEXT = " ".join(TEXTS[2:7]) * 5  # ~600 tokens: three windows of MAX_TEXT_TOKENS
+
+
+def _window_embeddings(bert, text):
+    """transformers' own overflow windows (stride MAX_TEXT_TOKENS // 8) and each window's mean hidden state."""
+    import torch
+
+    tokenizer, model = bert
+    windows = tokenizer(text, truncation=True, max_length=MAX_TEXT_TOKENS, stride=MAX_TEXT_TOKENS // 8,
+                        return_overflowing_tokens=True)["input_ids"]
+    with torch.no_grad():
+        means = [model(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0).numpy() for ids in windows]
+    return [len(ids) for ids in windows], np.stack(means)
+
+
+def test_chunk_embeds_a_long_text_as_the_token_weighted_mean_of_its_windows(client, bert):
+    lengths, means = _window_embeddings(bert, LONG_TEXT)
+    assert len(lengths) >= 3 and max(lengths) == MAX_TEXT_TOKENS
+    weighted = (np.array(lengths, np.float64)[:, None] * means).sum(0) / sum(lengths)
+    expected = weighted / np.linalg.norm(weighted)
+
+    out = client.embed([LONG_TEXT, "short one"], chunk=True)
+    assert out.chunks == (len(lengths), 1)
+    assert out.token_counts[0] == sum(lengths) and out.truncated == (False, False)
+    np.testing.assert_allclose(out.embeddings[0], expected, atol=EMBEDDING_ATOL, rtol=0)
+    unpooled = client.embed([LONG_TEXT], chunk=True, normalize=False)
+    np.testing.assert_allclose(unpooled.embeddings[0], weighted, atol=EMBEDDING_ATOL, rtol=0)
+
+
+def test_chunk_leaves_a_text_within_the_limit_as_it_is(client):
+    plain = client.embed(TEXTS[:3])
+    chunked = client.embed(TEXTS[:3], chunk=True)
+    assert chunked.chunks == (1, 1, 1)
+    np.testing.assert_allclose(chunked.embeddings, plain.embeddings, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"truncate": True}, "chunk and truncate"),
+    ({"hidden_states": True}, "pooling mean and no hidden_states"),
+    ({"pooling": "first"}, "pooling mean and no hidden_states"),
+])
+def test_chunk_with_truncate_hidden_states_or_other_pooling_is_invalid_argument(client, options, words):
+    with pytest.raises(grpc.RpcError) as info:
+        client.embed([LONG_TEXT], chunk=True, **options)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in info.value.details()
