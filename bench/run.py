@@ -102,6 +102,7 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
     if options.export_dir:
         return Path(options.export_dir)
     from export.exporter import export_model
+    from export.graphs import resolve
     from model.config import to_dict
 
     root = Path(options.out).parent / "export"
@@ -110,7 +111,8 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
     source = _exporter_source_hash()
     if meta.exists() and stamp.exists() and stamp.read_text() == source:
         data = json.loads(meta.read_text())
-        if data.get("config") == json.loads(json.dumps(to_dict(config))) and set(graphs) <= set(data["graphs"]):
+        if data.get("config") == json.loads(json.dumps(to_dict(config))) and \
+                set(resolve(tuple(graphs), config)) <= set(data["graphs"]):  # "long" names the config's long graph
             say(f"reusing export {target}")
             return target
     say(f"exporting {', '.join(graphs)} to {target}")
