@@ -166,7 +166,7 @@ def test_texts_come_from_typed_contents_or_length_prefixed_raw_bytes():
     ([1], b"\x05\x00\x00\x00ab", r"element 0 declares 5 bytes, 2 remain"),
     ([1], _length_prefixed(b"ok") + b"\x01", r"truncated length prefix at byte 6"),
     ([3], _length_prefixed(b"a", b"b"), r"2 elements for shape \[3\]"),
-    ([1, 2], _length_prefixed(b"a", b"b"), r"shape: \[1, 2\] must be \[B\]"),
+    ([1, 2], _length_prefixed(b"a", b"b"), r"shape: 2 dimensions; inputs\[texts\] must be of shape \[B\]"),
 ])
 def test_malformed_texts_name_the_input_and_what_is_wrong(shape, raw, match):
     from serve.errors import ValidationError
