@@ -121,7 +121,7 @@ class EncoderServer:
             try:
                 engine = self.engine()
             except Unavailable:
-                if self._state == "draining":
+                if context is not None and self._state == "draining":
                     self._refused_draining += 1
                 raise
             if context is None:
