@@ -46,9 +46,13 @@ class ValidationReport:
     cases: int = 0
     per_case: list = field(default_factory=list)
 
+    @property
+    def passed(self) -> bool:
+        return self.worst <= self.limit if self.metric == "max_abs" else self.worst >= self.limit
+
     def as_dict(self) -> dict:
         return {"cases": self.cases, "metric": self.metric, "limit": self.limit,
-                "worst": self.worst, "worst_case": self.worst_case, "passed": True}
+                "worst": self.worst, "worst_case": self.worst_case, "passed": self.passed}
 
 
 def _graph_dims(value_info) -> tuple:

@@ -1,8 +1,13 @@
 """Server assembly and lifecycle: `create_server(config) -> (server, port)` and `serve(config)`.
 
 Lifecycle: bind and start (health NOT_SERVING; Encode answers UNAVAILABLE) -> load the export,
-check the backend, warm up -> SERVING. On SIGTERM/SIGINT: NOT_SERVING, new requests UNAVAILABLE,
-drain the queue and the running batch, `server.stop(grace)`, exit 0.
+check the backend, warm up -> SERVING. On SIGTERM/SIGINT (`EncoderServer.shutdown`): NOT_SERVING;
+calls that arrive from then on are refused UNAVAILABLE by our own handlers (retry-safe); every call
+admitted before finishes (counted in flight until gRPC reports it ended, not guessed with sleeps);
+streams end UNAVAILABLE once they have answered what they sent before; if the grace period runs out,
+what is still running is answered UNAVAILABLE and counted in the log. Only then, once no call has
+arrived for `drain_quiet_ms`, `server.stop()`: gRPC cancels the calls it holds unanswered when it
+stops, so it must hold none. Exit 0 when everything admitted was answered in time.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ log = logging.getLogger("serve.app")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
+ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abandoned calls to go out
 
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
@@ -60,6 +66,12 @@ class EncoderServer:
         self._engine: Engine | None = None
         self._state = "starting"  # starting -> loading -> serving -> draining -> stopped
         self._lock = threading.Lock()
+        # calls in flight (admitted, not yet ended) and the last arrival: what a drain waits on
+        self._calls = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._last_arrival = float("-inf")
+        self._refused_draining = 0
+        self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
         self._reload_lock = threading.Lock()  # one reload at a time (serve/reload.py)
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
@@ -72,11 +84,11 @@ class EncoderServer:
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         pb_grpc.add_EncoderServiceServicer_to_server(
-            EncoderServicer(self.engine, self.metrics, config.max_request_bytes), self.grpc)
+            EncoderServicer(self.admit, self.metrics, config.max_request_bytes), self.grpc)
         # --- KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md) ---
         from serve.kserve import add_kserve_to_server
 
-        add_kserve_to_server(self.engine, self.metrics, self.grpc)
+        add_kserve_to_server(self.admit, self.metrics, self.grpc)
         # --- end KServe v2 ---
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -96,8 +108,59 @@ class EncoderServer:
         if state != "serving" or engine is None:
             reason = {"draining": "server is shutting down", "stopped": "server stopped"}.get(
                 state, "model is loading")
-            raise Unavailable(f"{reason}; not serving (health NOT_SERVING)")
+            raise Unavailable(f"{reason}; not serving (health NOT_SERVING), retry later or on another replica")
         return engine
+
+    def admit(self, context: grpc.ServicerContext | None = None,
+              on_drain: Callable[[], None] | None = None) -> Engine:
+        """The engine for a call, which counts as in flight until gRPC reports it ended (`context`'s
+        callback), so a drain waits for it. Unavailable (retry-safe) while loading or draining.
+        `on_drain` (streams) is called once when a drain starts; without `context`, nothing is counted."""
+        with self._calls:
+            self._last_arrival = time.monotonic()
+            try:
+                engine = self.engine()
+            except Unavailable:
+                if context is not None and self._state == "draining":
+                    self._refused_draining += 1
+                raise
+            if context is None:
+                return engine
+            self._in_flight += 1
+            if on_drain is not None:
+                self._drain_hooks.add(on_drain)
+
+        def ended() -> None:
+            with self._calls:
+                self._in_flight -= 1
+                self._drain_hooks.discard(on_drain)
+                self._calls.notify_all()
+
+        if not context.add_callback(ended):  # the call already ended
+            ended()
+        return engine
+
+    def _wait_calls(self, until: float) -> bool:
+        """Waits until no admitted call is in flight; False when `until` (monotonic) came first."""
+        with self._calls:
+            while self._in_flight:
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._calls.wait(remaining)
+        return True
+
+    def _wait_quiet(self, until: float) -> None:
+        """Waits until no call has arrived for drain_quiet_ms (late callers meanwhile get UNAVAILABLE
+        from our handlers, not CANCELLED from a stopping gRPC), or until `until`."""
+        quiet = self.config.drain_quiet_ms / 1e3
+        with self._calls:
+            while True:
+                now = time.monotonic()
+                wake = min(self._last_arrival + quiet, until)
+                if now >= wake:
+                    return
+                self._calls.wait(wake - now)
 
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -149,28 +212,53 @@ class EncoderServer:
             return True
 
     def shutdown(self, grace: float | None = None) -> bool:
-        """Stop admitting, drain queued and running work, then stop gRPC. True when fully drained."""
+        """Stop admitting, let every admitted call finish, then stop gRPC. True when all finished in time.
+
+        Never lets gRPC cancel an accepted call: calls arriving while draining get UNAVAILABLE from
+        our handlers; calls admitted before finish within `grace`; the ones still running when it
+        runs out get UNAVAILABLE (counted: event=drain_timeout abandoned=N); `server.stop()` comes
+        last, after drain_quiet_ms without a new call."""
         grace = self.config.grace_s if grace is None else grace
         with self._lock:
             if self._state in ("draining", "stopped"):
                 return True
             self._state = "draining"
+            in_flight = self._in_flight
         self._set_health(False)
         self.metrics.ready.set(0)
         engine = self._engine
-        logs.event(log, "draining", queued=engine.batcher.queue_depth() if engine else 0, grace_s=grace)
+        logs.event(log, "draining", queued=engine.batcher.queue_depth() if engine else 0, in_flight=in_flight,
+                   grace_s=grace)
         started = time.monotonic()
-        drained = True
+        end = started + grace
         if engine is not None:
-            engine.batcher.close()
-            drained = engine.batcher.drain(grace)
-        # In-flight handlers now only build their responses; stop() lets them finish.
-        self.grpc.stop(max(0.0, grace - (time.monotonic() - started))).wait()
+            engine.batcher.close()  # what is queued still runs
+        with self._calls:
+            hooks = list(self._drain_hooks)
+        for hook in hooks:  # open streams end (UNAVAILABLE) once they have answered what they sent
+            hook()
+        drained = self._wait_calls(end)
+        abandoned = 0
+        if not drained:
+            with self._calls:
+                abandoned = self._in_flight
+            logs.event(log, "drain_timeout", logging.WARNING, abandoned=abandoned, grace_s=grace)
+            if engine is not None:
+                engine.batcher.abandon(Unavailable(
+                    f"server is shutting down and its grace period ({grace:g} s) ran out before this request "
+                    f"finished; it was not answered, retry it on another replica"))
+            self._wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
+        self._wait_quiet(end)
+        # Nothing we admitted is left running; stop() only closes the listener and the connections.
+        self.grpc.stop(ABANDON_S).wait()
         if engine is not None:
             engine.batcher.stop(0)
         self.metrics.close()
+        with self._calls:
+            refused = self._refused_draining
         self._state = "stopped"
-        logs.event(log, "stopped", drained=drained, drain_s=f"{time.monotonic() - started:.3f}")
+        logs.event(log, "stopped", drained=drained, abandoned=abandoned, refused_while_draining=refused,
+                   drain_s=f"{time.monotonic() - started:.3f}")
         return drained
 
 

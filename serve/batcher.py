@@ -33,6 +33,7 @@ from serve.core import EncodeRequest, EncodeResult, Row, SequenceOutput, pad_bat
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
 
 log = logging.getLogger("serve.batcher")
+_FINISH = threading.Lock()  # a ticket is finished once: by its batch, or by a drain that abandons it
 
 
 class Ticket:
@@ -68,9 +69,14 @@ class Ticket:
         assert self._result is not None
         return self._result
 
-    def _finish(self, result: EncodeResult | None = None, error: BaseException | None = None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
+    def _finish(self, result: EncodeResult | None = None, error: BaseException | None = None) -> bool:
+        """Sets the outcome unless one was set already; True when this call set it."""
+        with _FINISH:
+            if self._done.is_set():
+                return False
+            self._result, self._error = result, error
+            self._done.set()
+            return True
 
 
 class Batcher:
@@ -103,6 +109,7 @@ class Batcher:
         self._closed = False
         self._stopping = False
         self._busy = False
+        self._running: list[Ticket] = []  # the batch being run
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
 
     # -- admission ---------------------------------------------------------------------------
@@ -143,6 +150,16 @@ class Batcher:
                     return False
                 self._cond.wait(remaining)
         return True
+
+    def abandon(self, error: ServeError) -> int:
+        """Finishes every queued and running ticket with `error` (a drain whose grace period ran out);
+        the running batch's results, if they come, are dropped. Returns how many were abandoned."""
+        with self._cond:
+            tickets = [*self._queue, *self._running]
+            self._queue.clear()
+            self._queued_rows = 0
+            self._cond.notify_all()
+        return sum(ticket._finish(error=error) for ticket in tickets)
 
     def stop(self, timeout: float | None = None) -> None:
         self.close()
@@ -192,6 +209,7 @@ class Batcher:
                 batch.append(ticket)
                 rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
             self._busy = bool(batch)
+            self._running = batch
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
             return batch
@@ -211,6 +229,7 @@ class Batcher:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._running = []
                     self._cond.notify_all()
 
     def _isolate(self, batch: list[Ticket], error: BaseException) -> None:

@@ -62,6 +62,9 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     workers: int = 32  # gRPC handler threads
     grace_s: float = 30.0  # drain budget on SIGTERM
+    # draining ends (gRPC stops) only after this long without a new call: late callers get UNAVAILABLE
+    # from our handlers meanwhile, not CANCELLED from a stopping gRPC (serve/app.py shutdown)
+    drain_quiet_ms: float = 500.0
     warmup: bool = True
     log_level: str = "info"
     # --- security (serve/security.py, docs/reliability.md) ---
@@ -89,8 +92,8 @@ class ServerConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.max_queue_delay_ms < 0 or self.grace_s < 0:
-            raise ValueError("max_queue_delay_ms and grace_s must be >= 0")
+        if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0:
+            raise ValueError("max_queue_delay_ms, grace_s and drain_quiet_ms must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both to serve TLS, or neither")
         if self.tls_client_ca and not self.tls_cert:

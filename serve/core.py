@@ -23,7 +23,7 @@ class MaskChoice:
     causal: bool = False
     window: int = 0
     step: int = 1
-    custom: np.ndarray | None = None  # bool [T, T] or [B, T, T]
+    custom: np.ndarray | None = None  # bool [T, T], or [B, Tmax, Tmax] (padded to the longest sequence)
 
 
 @dataclass(frozen=True)
@@ -163,22 +163,26 @@ def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.n
         raise ValidationError("mask.custom: kind=custom needs a BOOL [T, T] or [B, T, T] tensor")
     if custom.dtype != np.bool_:
         raise ValidationError(f"mask.custom: dtype must be BOOL, got {custom.dtype}")
-    n = len(lengths)
+    n, longest = len(lengths), max(lengths)
     if custom.ndim == 2:
         matrices = [custom] * n
     elif custom.ndim == 3:
-        if custom.shape[0] != n:
+        # [B, Tmax, Tmax]: one matrix per sequence, padded to the longest; row i uses its top-left
+        # [T_i, T_i] (entries past its own length are ignored). Equal lengths: the exact form.
+        if custom.shape != (n, longest, longest):
             raise ValidationError(
-                f"mask.custom: shape {list(custom.shape)} has {custom.shape[0]} matrices for {n} sequences"
+                f"mask.custom: shape {list(custom.shape)} must be [{n}, {longest}, {longest}]: one matrix per "
+                f"sequence ({n}), padded to the longest sequence ({longest}); entries past a shorter "
+                f"sequence's length are ignored"
             )
-        matrices = list(custom)
+        return [m[:length, :length] for m, length in zip(custom, lengths)]
     else:
         raise ValidationError(f"mask.custom: shape {list(custom.shape)} must be [T, T] or [B, T, T]")
     for i, (m, length) in enumerate(zip(matrices, lengths)):
         if m.shape != (length, length):
             raise ValidationError(
                 f"mask.custom: shape {list(custom.shape)} does not match sequences[{i}] of length {length} "
-                f"(needs [{length}, {length}])"
+                f"(needs [{length}, {length}]; for sequences of unequal length send [B, Tmax, Tmax])"
             )
     return matrices
 

@@ -2,11 +2,50 @@
 
 Every layer raises these; the servicer converts them at the edge (`to_status`). Anything else
 that escapes is a bug and is reported as INTERNAL with its type, never as UNKNOWN.
+
+Strings a client sent (a model, input or parameter name, a parameter value) appear in messages only
+through `clip` / `quote`: at most QUOTE_CHARS characters, then "…(N bytes)". And `to_status` cuts
+any message to MAX_MESSAGE_BYTES: gRPC sends it as percent-encoded trailing metadata, and over its
+16 KiB metadata limit the client would get RESOURCE_EXHAUSTED instead of the real error.
 """
 
 from __future__ import annotations
 
 import grpc
+
+QUOTE_CHARS = 200  # of a client-supplied string, in a message
+MAX_MESSAGE_BYTES = 2048  # of any status message (UTF-8; percent-encoded by gRPC: at most 3x on the wire)
+
+
+def clip(text: str | bytes, limit: int = QUOTE_CHARS) -> str:
+    """A client-supplied string as a message may show it: whole when short, else its first `limit`
+    characters and "…(N bytes)" with its full size."""
+    if isinstance(text, bytes):
+        size, text = len(text), text.decode("utf-8", "backslashreplace")
+    else:
+        size = None
+    if len(text) <= limit:
+        return text
+    if size is None:
+        size = len(text.encode("utf-8", "surrogatepass"))
+    return f"{text[:limit]}…({size} bytes)"
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """`repr(value)` for a client-supplied value, its string cut as `clip` does."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        size = len(value) if isinstance(value, bytes) else len(value.encode("utf-8", "surrogatepass"))
+        return f"{value[:limit]!r}…({size} bytes)"
+    text = repr(value)
+    return text if len(text) <= limit else clip(text, limit)
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`message` cut to at most `limit` UTF-8 bytes (plus a note saying so)."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return message
+    return data[:limit].decode("utf-8", "ignore") + f"…(message cut: {len(data)} bytes)"
 
 
 class ServeError(Exception):
@@ -77,5 +116,5 @@ class BackendError(ServeError):
 def to_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for any exception that reaches the edge."""
     if isinstance(error, ServeError):
-        return error.code, error.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        return error.code, bounded(error.message)
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(error).__name__}: {error}")

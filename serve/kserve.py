@@ -8,7 +8,8 @@ The v2 view of the served export (ModelMetadata says the same):
   inputs   input_ids       INT64|INT32 [B, T]     (inputs_embeds FP32 [B, T, D] for feature models)
            attention_mask  INT64|INT32 [B, T]     optional; 1s then 0s per row (right padding),
                                                   default all ones
-           custom_mask     BOOL [T, T] or [B, T, T]  only with mask_kind=custom
+           custom_mask     BOOL [T, T] or [B, T, T]  only with mask_kind=custom; rows of unequal length
+                                                  (attention_mask): row i uses its top-left [T_i, T_i]
            texts           BYTES [B]              UTF-8 texts instead of input_ids, for exports with a
                                                   tokenizer (serve/text.py, as Encode's `texts`)
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
@@ -40,9 +41,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from model.mask_kinds import MaskKind
 from serve.core import EncodeRequest, EncodeResult, MaskChoice
 from serve.engine import Engine
-from serve.errors import ServeError, ValidationError, to_status
+from serve.errors import ServeError, ValidationError, clip, quote, to_status
 from serve.metrics import Metrics
-from serve.tensors import array_from_bytes
+from serve.tensors import array_from_bytes, check_shape
 
 SERVICE = "inference.GRPCInferenceService"
 PROTO = Path(__file__).resolve().parent.parent / "protos" / "kserve" / "v2" / "grpc_predict_v2.proto"
@@ -55,6 +56,7 @@ DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtyp
 CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
                   "BOOL": "bool_contents"}
 POOLINGS = ("mean", "first", "none")
+LIST_NAMES = 5  # names listed in a message before "and N more"
 NO_DEADLINE_S = 365 * 24 * 3600.0
 
 
@@ -100,11 +102,11 @@ def _param(params, name: str, default):
 def _int_param(params, name: str, default: int) -> int:
     value = _param(params, name, default)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValidationError(f"parameters.{name}: expected an integer, got {value!r}")
+        raise ValidationError(f"parameters.{name}: expected an integer, got {quote(value)}")
     try:
         return int(value)
-    except ValueError:
-        raise ValidationError(f"parameters.{name}: expected an integer, got {value!r}") from None
+    except ValueError:  # also a string of over 4300 digits (Python's int limit)
+        raise ValidationError(f"parameters.{name}: expected an integer, got {quote(value)}") from None
 
 
 def _bool_param(params, name: str, default: bool) -> bool:
@@ -115,29 +117,29 @@ def _bool_param(params, name: str, default: bool) -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
-    raise ValidationError(f"parameters.{name}: expected a boolean, got {value!r}")
+    raise ValidationError(f"parameters.{name}: expected a boolean, got {quote(value)}")
 
 
 def _mask_kind(params) -> MaskKind:
     value = _param(params, "mask_kind", "bidirectional")
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 64:  # longer is no kind (and int() of it is costly)
         try:
             return MaskKind(int(value)) if value.isdigit() else MaskKind.parse(value)
-        except ValueError as error:
-            raise ValidationError(f"parameters.mask_kind: {error}") from None
+        except ValueError:
+            pass
     if isinstance(value, int) and not isinstance(value, bool) and value in MaskKind._value2member_map_:
         return MaskKind(value)
-    raise ValidationError(f"parameters.mask_kind: unknown value {value!r}; "
+    raise ValidationError(f"parameters.mask_kind: unknown value {quote(value)}; "
                           f"expected one of {', '.join(k.label for k in MaskKind)}")
 
 
 def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
     """A BYTES input as UTF-8 strings: typed `bytes_contents`, or raw contents in the v2 / Triton
     serialisation (per element a 4-byte little-endian length, then that many bytes)."""
-    name = f"inputs[{tensor.name}]"
+    name = f"inputs[{clip(tensor.name)}]"
     if tensor.datatype != "BYTES":
-        raise ValidationError(f"{name}.datatype: {tensor.datatype!r}; texts are BYTES (UTF-8 strings)")
-    shape = [int(d) for d in tensor.shape]
+        raise ValidationError(f"{name}.datatype: {quote(tensor.datatype)}; texts are BYTES (UTF-8 strings)")
+    shape = list(check_shape(tensor.shape, name, "[B]", 1))
     if len(shape) != 1 or shape[0] < 1:
         raise ValidationError(f"{name}.shape: {shape} must be [B] with B >= 1")
     if raw is None:
@@ -164,21 +166,31 @@ def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
     return tuple(texts)
 
 
+# the shape each tensor input takes: the most dimensions it may have (the one rank rule, as Encode's)
+LAYOUTS = {"input_ids": "[B, T]", "inputs_embeds": "[B, T, D]", "attention_mask": "[B, T]",
+           "custom_mask": "[T, T] or [B, T, T]"}
+
+
 def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     """One v2 input (raw bytes or typed contents) as numpy; ValidationError naming the input."""
-    name = f"inputs[{tensor.name}]"
+    name = f"inputs[{clip(tensor.name)}]"
+    layout = LAYOUTS.get(tensor.name, "[B, T, D]")
+    max_rank = layout.split(" or ")[-1].count(",") + 1
     dtype = DATATYPES.get(tensor.datatype)
     if dtype is None:
-        raise ValidationError(f"{name}.datatype: {tensor.datatype!r} is not supported; use "
+        raise ValidationError(f"{name}.datatype: {quote(tensor.datatype)} is not supported; use "
                               f"{', '.join(DATATYPES)}")
     if raw is not None:
         return array_from_bytes(raw, dtype, tensor.shape, field=name, data_field=f"{name} raw contents",
-                                type_name=tensor.datatype)
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
-        raise ValidationError(f"{name}.shape: negative dimension in {list(shape)}")
+                                type_name=tensor.datatype, layout=layout, max_rank=max_rank)
+    shape = check_shape(tensor.shape, name, layout, max_rank)
     count = math.prod(shape)
-    values = getattr(tensor.contents, CONTENTS_FIELD[tensor.datatype])
+    field = CONTENTS_FIELD[tensor.datatype]
+    others = [f for f in CONTENTS_FIELD.values() if f != field and len(getattr(tensor.contents, f))]
+    if others:
+        raise ValidationError(f"{name}.contents: values in {', '.join(others)}, but datatype "
+                              f"{tensor.datatype} is read from {field}")
+    values = getattr(tensor.contents, field)
     if len(values) != count:
         raise ValidationError(f"{name}.contents: {len(values)} values for shape {list(shape)}")
     return np.asarray(values, dtype=dtype).reshape(shape)
@@ -199,20 +211,54 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[
     return lengths
 
 
+def _names(names) -> str:
+    """Client-supplied names for a message: each clipped, at most LIST_NAMES of them."""
+    names = list(names)
+    shown = ", ".join(quote(n) for n in names[:LIST_NAMES])
+    return shown + (f" and {len(names) - LIST_NAMES} more" if len(names) > LIST_NAMES else "")
+
+
+def _check_inputs(msg, known: set[str]) -> None:
+    """Refuses what the v2 protocol leaves ambiguous, naming the input: raw_input_contents that do not
+    pair one to one with the inputs, typed contents beside raw ones, an input given twice, an
+    unknown input, an output asked for twice."""
+    raw_count, inputs = len(msg.raw_input_contents), msg.inputs
+    if raw_count not in (0, len(inputs)):
+        raise ValidationError(f"raw_input_contents: {raw_count} entries for {len(inputs)} inputs; "
+                              f"send one per input, in the order of inputs, or none")
+    if raw_count:
+        typed = [t.name for t in inputs if t.HasField("contents")]
+        if typed:
+            raise ValidationError(f"inputs[{clip(typed[0])}]: typed contents and raw_input_contents in one "
+                                  f"request; the v2 protocol allows one or the other, not both")
+    counts: dict[str, int] = {}
+    for t in inputs:
+        counts[t.name] = counts.get(t.name, 0) + 1
+    repeated = [name for name, n in counts.items() if n > 1]
+    if repeated:
+        raise ValidationError(f"inputs[{clip(repeated[0])}]: given {counts[repeated[0]]} times; send each "
+                              f"input once")
+    unknown = sorted(set(counts) - known)
+    if unknown:
+        raise ValidationError(f"inputs: unknown input(s) {_names(unknown)}; this model takes "
+                              f"{', '.join(sorted(known))}")
+    outputs: dict[str, int] = {}
+    for o in msg.outputs:
+        outputs[o.name] = outputs.get(o.name, 0) + 1
+    twice = [name for name, n in outputs.items() if n > 1]
+    if twice:
+        raise ValidationError(f"outputs[{clip(twice[0])}]: requested {outputs[twice[0]]} times; ask for "
+                              f"each output once")
+
+
 def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]:
     """(our request, the outputs to return, the padded length T of the batch)."""
-    if len(msg.raw_input_contents) not in (0, len(msg.inputs)):
-        raise ValidationError(f"raw_input_contents: {len(msg.raw_input_contents)} entries for "
-                              f"{len(msg.inputs)} inputs")
+    first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
+    known = {first, "attention_mask", "custom_mask"} | ({"texts"} if engine.export.has_tokenizer else set())
+    _check_inputs(msg, known)
     raws = list(msg.raw_input_contents) or [None] * len(msg.inputs)
     texts = next((texts_from_v2(t, raw) for t, raw in zip(msg.inputs, raws) if t.name == "texts"), None)
     tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws) if t.name != "texts"}
-    first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
-    known = {first, "attention_mask", "custom_mask"} | ({"texts"} if engine.export.has_tokenizer else set())
-    unknown = sorted((set(tensors) | ({"texts"} if texts is not None else set())) - known)
-    if unknown:
-        raise ValidationError(f"inputs: unknown input(s) {', '.join(unknown)}; this model takes "
-                              f"{', '.join(sorted(known))}")
     if texts is not None:
         if tensors:
             raise ValidationError(f"inputs: send either texts or {first} (with its masks), not both")
@@ -221,8 +267,7 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
         raise ValidationError(f"inputs: missing {first}")
     ids = tensors[first]
     if ids.ndim < 2 or ids.shape[0] == 0:
-        raise ValidationError(f"inputs[{first}].shape: {list(ids.shape)} must be [B, T{', D' if ids.ndim > 2 else ''}] "
-                              f"with B >= 1")
+        raise ValidationError(f"inputs[{first}].shape: {list(ids.shape)} must be {LAYOUTS[first]} with B >= 1")
     batch, length = int(ids.shape[0]), int(ids.shape[1])
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
     custom = _cut_custom(tensors.get("custom_mask"), lengths)
@@ -235,11 +280,11 @@ def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
     """Our request for `inputs` (sequences or texts, and the mask) with the outputs `msg` asks for."""
     pooling = str(_param(msg.parameters, "pooling", engine.export.default_pooling))
     if pooling not in POOLINGS:
-        raise ValidationError(f"parameters.pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
+        raise ValidationError(f"parameters.pooling: {quote(pooling)} is not one of {', '.join(POOLINGS)}")
     requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
     for name in requested:
         if name not in OUTPUTS:
-            raise ValidationError(f"outputs: unknown output {name!r}; this model has {', '.join(OUTPUTS)}")
+            raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(OUTPUTS)}")
     if "embeddings" in requested and pooling == "none":
         raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
     request = EncodeRequest(
@@ -266,16 +311,18 @@ def _text_request(msg, engine: Engine, texts: tuple[str, ...]) -> tuple[EncodeRe
 
 
 def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | None:
-    """custom_mask [T, T] or [B, T, T] cut to the rows' length (all rows must share it)."""
+    """custom_mask [T, T] (every row) or [B, T, T] (one per row), in the ids' padded coordinates, as
+    [B, Tmax, Tmax] cut to the longest row; entries past a row's own length are ignored."""
     if custom is None:
         return None
-    if len(set(lengths)) != 1:
-        raise ValidationError("inputs[custom_mask]: rows of one request must have equal length (no padding) "
-                              "when a custom mask is sent; send other lengths in separate requests")
-    n = lengths[0]
-    if custom.ndim not in (2, 3):
-        raise ValidationError(f"inputs[custom_mask].shape: {list(custom.shape)} must be [T, T] or [B, T, T]")
-    return custom[..., :n, :n]
+    longest, batch = max(lengths), len(lengths)
+    square = custom.ndim in (2, 3) and custom.shape[-1] == custom.shape[-2] >= longest
+    if not square or (custom.ndim == 3 and custom.shape[0] != batch):
+        raise ValidationError(f"inputs[custom_mask].shape: {list(custom.shape)} must be [T, T] or [{batch}, T, T] "
+                              f"with T at least the longest row ({longest})")
+    if custom.ndim == 2:
+        custom = np.broadcast_to(custom, (batch, *custom.shape))
+    return custom[:, :longest, :longest]
 
 
 def response_to_v2(result: EncodeResult, requested: list[str], length: int, model_name: str, request_id: str):
@@ -297,8 +344,10 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
 # -- the servicer -------------------------------------------------------------------------------
 
 class KServeServicer:
-    def __init__(self, engine: Callable[[], Engine], metrics: Metrics | None = None) -> None:
-        self._engine = engine  # raises Unavailable until loaded and while shutting down
+    def __init__(self, engine: Callable[..., Engine], metrics: Metrics | None = None) -> None:
+        # engine(context=None): admits the call (counted in flight until it ends, so a drain waits for
+        # it); raises Unavailable until loaded and while shutting down (EncoderServer.admit)
+        self._engine = engine
         self._metrics = metrics
 
     def _ready_engine(self) -> Engine | None:
@@ -307,12 +356,13 @@ class KServeServicer:
         except ServeError:
             return None
 
-    def _model(self, name: str, version: str) -> Engine:
-        engine = self._engine()
+    def _model(self, name: str, version: str, context: grpc.ServicerContext) -> Engine:
+        engine = self._engine(context)
         if name != engine.export.name:
-            raise ValidationError(f"model {name!r} is not served here; this server serves {engine.export.name!r}")
+            raise ValidationError(f"model {quote(name)} is not served here; this server serves "
+                                  f"{engine.export.name!r}")
         if version not in ("", MODEL_VERSION):
-            raise ValidationError(f"model {name!r} has version {MODEL_VERSION!r} only, not {version!r}")
+            raise ValidationError(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
         return engine
 
     def _call(self, method: str, context: grpc.ServicerContext, work: Callable[[], object]):
@@ -354,7 +404,7 @@ class KServeServicer:
 
     def ModelMetadata(self, request, context):
         def work():
-            engine = self._model(request.name, request.version)
+            engine = self._model(request.name, request.version, context)
             config = engine.export.config
             T = M["ModelMetadataResponse"].TensorMetadata
             if config.input_kind == "tokens":
@@ -373,7 +423,7 @@ class KServeServicer:
 
     def ModelInfer(self, request, context):
         def work():
-            engine = self._model(request.model_name, request.model_version)
+            engine = self._model(request.model_name, request.model_version, context)
             ours, requested, length = request_from_v2(request, engine)
             remaining = context.time_remaining()  # ~2**63 ns (not None) when the client set no deadline
             deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
@@ -384,7 +434,7 @@ class KServeServicer:
         return self._call("ModelInfer", context, work)
 
 
-def add_kserve_to_server(engine: Callable[[], Engine], metrics: Metrics | None, server: grpc.Server) -> None:
+def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server: grpc.Server) -> None:
     """Registers `inference.GRPCInferenceService` on `server` (before server.start())."""
     servicer = KServeServicer(engine, metrics)
     handlers = {}

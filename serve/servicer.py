@@ -18,7 +18,7 @@ from model.mask_kinds import MaskKind
 from serve import logs
 from serve.core import EncodeRequest, EncodeResult, MaskChoice
 from serve.engine import Engine
-from serve.errors import ServeError, ValidationError, to_status
+from serve.errors import ServeError, Unavailable, ValidationError, to_status
 from serve.metrics import Metrics
 from serve.pb import pb, pb_grpc
 from serve.tensors import from_numpy, to_numpy
@@ -32,12 +32,15 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
     size = msg.ByteSize()
     if size > max_bytes:
         raise ValidationError(f"request: {size} bytes exceed max_request_bytes={max_bytes}")
-    sequences = tuple(to_numpy(t, f"sequences[{i}]") for i, t in enumerate(msg.sequences))
+    config = engine.export.config
+    layout, rank = ("[T]", 1) if config.input_kind == "tokens" else (f"[T, {config.d_model}]", 2)
+    sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, rank) for i, t in enumerate(msg.sequences))
     try:
         kind = MaskKind(msg.mask.kind)
     except ValueError:
         raise ValidationError(f"mask.kind: unknown value {msg.mask.kind}") from None
-    custom = to_numpy(msg.mask.custom, "mask.custom") if msg.mask.HasField("custom") else None
+    custom = (to_numpy(msg.mask.custom, "mask.custom", "[T, T] or [B, T, T]", 3)
+              if msg.mask.HasField("custom") else None)
     pooling = _POOLING.get(msg.output.pooling)
     if pooling is None:
         if msg.output.pooling != pb.POOLING_DEFAULT:
@@ -90,6 +93,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
     )
 
 
+_DRAINING = object()  # EncodeStream: the server began to drain
 _NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the client set no deadline
 
 
@@ -99,8 +103,10 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
-    def __init__(self, engine: Callable[[], Engine], metrics: Metrics, max_request_bytes: int) -> None:
-        self._engine = engine  # raises Unavailable until loaded, and while shutting down
+    def __init__(self, engine: Callable[..., Engine], metrics: Metrics, max_request_bytes: int) -> None:
+        # engine(context, on_drain=None): admits the call (counted in flight until it ends, so a drain
+        # waits for it); raises Unavailable until loaded, and while shutting down (EncoderServer.admit)
+        self._engine = engine
         self._metrics = metrics
         self._max_bytes = max_request_bytes
 
@@ -117,7 +123,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def Encode(self, request, context):
         received = time.monotonic()
         try:
-            engine = self._engine()
+            engine = self._engine(context)
             deadline = _deadline(context)
             ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), deadline)
             context.add_callback(ticket.cancel)
@@ -133,13 +139,19 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         received = time.monotonic()
+        pending: queue.Queue = queue.Queue()
+        admitting = threading.Lock()  # a request admitted before a drain is queued before its marker
+
+        def on_drain() -> None:  # the server stopped admitting: end after answering what was admitted
+            with admitting:
+                pending.put(_DRAINING)
+
         try:
-            engine = self._engine()
+            engine = self._engine(context, on_drain=on_drain)
         except Exception as error:
             self._finish("EncodeStream", received, context, error)
             return
         deadline = _deadline(context)
-        pending: queue.Queue = queue.Queue()
         tickets = []
         context.add_callback(lambda: [t.cancel() for t in list(tickets)])
 
@@ -147,22 +159,30 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             try:
                 for msg in request_iterator:
                     started = time.monotonic()
-                    try:
-                        ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
-                        tickets.append(ticket)
-                        pending.put((started, ticket, None, msg.request_id))
-                    except Exception as error:
-                        pending.put((started, None, error, msg.request_id))
+                    with admitting:
+                        try:
+                            ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
+                            tickets.append(ticket)
+                            pending.put((started, ticket, None, msg.request_id))
+                        except Exception as error:
+                            pending.put((started, None, error, msg.request_id))
             except Exception:  # the client went away or cancelled; nothing left to answer
                 pass
             finally:
                 pending.put(None)
 
         threading.Thread(target=read, name="stream-reader", daemon=True).start()
+        answered = 0
         while True:
             item = pending.get()
             if item is None:
                 break
+            if item is _DRAINING:  # retry-safe: every request sent before was answered above
+                self._finish("EncodeStream", received, context, Unavailable(
+                    f"server is shutting down; this stream ended after answering its {answered} requests "
+                    f"sent before; send the rest to another replica"))
+                return
+            answered += 1
             started, ticket, error, request_id = item
             if ticket is not None:
                 try:
@@ -184,7 +204,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def GetModelInfo(self, request, context):
         received = time.monotonic()
         try:
-            d = self._engine().describe()
+            d = self._engine(context).describe()
             info = pb.ModelInfo(
                 name=d.name, version=d.version, sha256=d.sha256, config_json=d.config_json, opset=d.opset,
                 inputs=[pb.TensorInfo(name=i["name"], dtype=i["dtype"], dims=[str(x) for x in i["dims"]])

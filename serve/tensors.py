@@ -23,14 +23,26 @@ def dtype_name(code: int) -> str:
     return pb.DataType.Name(code) if code in pb.DataType.values() else f"DataType({code})"
 
 
-def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_field: str,
-                     type_name: str) -> np.ndarray:
-    """A read-only view of packed little-endian `data` as `shape`; ValidationError naming the field
-    when the shape is negative, the byte count does not match, or BOOL bytes are not 0 or 1.
-    Shared by Encode (`Tensor.data`) and KServe v2 (`raw_input_contents`)."""
+def check_shape(shape, field: str, layout: str, max_rank: int) -> tuple[int, ...]:
+    """The shape as ints, once it has at most `max_rank` dimensions (the rank `layout`, e.g.
+    "[B, T]", needs) and none is negative. The one rank rule of Encode and KServe v2, checked before
+    numpy sees the shape: numpy refuses more than 64 dimensions with its own ValueError, and a shape
+    with thousands of dimensions must not reach a message."""
+    if len(shape) > max_rank:
+        raise ValidationError(f"{field}.shape: {len(shape)} dimensions; {field} must be of shape {layout}")
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise ValidationError(f"{field}.shape: negative dimension in {list(shape)}")
+    return shape
+
+
+def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_field: str,
+                     type_name: str, layout: str, max_rank: int) -> np.ndarray:
+    """A read-only view of packed little-endian `data` as `shape`; ValidationError naming the field
+    when the shape has more than `max_rank` dimensions or a negative one, the byte count does not
+    match, or BOOL bytes are not 0 or 1.
+    Shared by Encode (`Tensor.data`) and KServe v2 (`raw_input_contents`)."""
+    shape = check_shape(shape, field, layout, max_rank)
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise ValidationError(
@@ -42,13 +54,15 @@ def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_fi
     return array
 
 
-def to_numpy(tensor: "pb.Tensor", field: str) -> np.ndarray:
-    """A read-only view of the tensor's bytes; ValidationError naming `field` when inconsistent."""
+def to_numpy(tensor: "pb.Tensor", field: str, layout: str = "", max_rank: int = 8) -> np.ndarray:
+    """A read-only view of the tensor's bytes; ValidationError naming `field` when inconsistent or
+    of more than `max_rank` dimensions (`layout`: the shape the field takes, for the message)."""
     dtype = DTYPES.get(tensor.dtype)
     if dtype is None:
         raise ValidationError(f"{field}.dtype: {dtype_name(tensor.dtype)} is not supported")
     return array_from_bytes(tensor.data, dtype, tensor.shape, field=field, data_field=f"{field}.data",
-                            type_name=dtype_name(tensor.dtype))
+                            type_name=dtype_name(tensor.dtype), layout=layout or f"at most {max_rank}-d",
+                            max_rank=max_rank)
 
 
 def from_numpy(array: np.ndarray) -> "pb.Tensor":

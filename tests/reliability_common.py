@@ -185,3 +185,56 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+# --- shutdown under load (test_serve_lifecycle, and test_reliability_chaos with a CPU hog) -----------
+
+def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export_dir: Path) -> list:
+    """SIGTERM to a `python -m serve` under a closed-loop load of 6 clients: every refusal is
+    UNAVAILABLE (never CANCELLED: nothing accepted is dropped), the log says drained, exit 0.
+    Returns the (code, details) of every call."""
+    import grpc
+    import numpy as np
+
+    from serve.client import EncoderClient
+
+    server = serve_start(export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20")
+    codes: list[tuple[str, str]] = []
+    ok = threading.Semaphore(0)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def load(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with EncoderClient(server.target, retries=0, timeout=30) as client:
+            while not stop.is_set():
+                seqs = [rng.integers(0, 100, rng.integers(1, 100)) for _ in range(4)]
+                try:
+                    out = client.encode(seqs, hidden_states=True)
+                    assert out.embeddings.shape == (4, 32)
+                    result = ("OK", "")
+                    ok.release()
+                except grpc.RpcError as error:
+                    result = (error.code().name, error.details() or "")
+                    stop.set()  # after the first refusal, stop sending
+                with lock:
+                    codes.append(result)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for _ in range(30):  # well under way
+        assert ok.acquire(timeout=60)
+    exit_code = server.terminate(timeout=60)
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+    assert exit_code == 0, server.log()
+    refused = [(code, details) for code, details in codes if code != "OK"]
+    assert all(code == "UNAVAILABLE" for code, _ in refused), refused
+    # A refusal happens at admission; no request that was admitted was dropped unanswered.
+    assert not any("stopped before" in details or "grace period" in details for _, details in refused), refused
+    log = server.log()
+    assert "event=draining" in log and "drained=True" in log and "abandoned=0" in log
+    return codes

@@ -166,7 +166,7 @@ def test_texts_come_from_typed_contents_or_length_prefixed_raw_bytes():
     ([1], b"\x05\x00\x00\x00ab", r"element 0 declares 5 bytes, 2 remain"),
     ([1], _length_prefixed(b"ok") + b"\x01", r"truncated length prefix at byte 6"),
     ([3], _length_prefixed(b"a", b"b"), r"2 elements for shape \[3\]"),
-    ([1, 2], _length_prefixed(b"a", b"b"), r"shape: \[1, 2\] must be \[B\]"),
+    ([1, 2], _length_prefixed(b"a", b"b"), r"shape: 2 dimensions; inputs\[texts\] must be of shape \[B\]"),
 ])
 def test_malformed_texts_name_the_input_and_what_is_wrong(shape, raw, match):
     from serve.errors import ValidationError
@@ -181,3 +181,101 @@ def test_texts_to_a_model_without_tokenizer_is_an_unknown_input(v2):
     texts.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
     with pytest.raises(InferenceServerException, match="unknown input.*texts"):
         v2.infer("serve-test", [texts])
+
+
+# --- ambiguous, over-ranked and oversized v2 requests, sent as raw protobuf (tritonclient cannot) ---
+def _v2_call(server, request):
+    import grpc
+
+    from serve.kserve import M
+
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=M["ModelInferRequest"].SerializeToString,
+                                   response_deserializer=M["ModelInferResponse"].FromString)
+        try:
+            return "OK", "", call(request, timeout=10)
+        except grpc.RpcError as error:
+            return error.code().name, error.details() or "", None
+
+
+def _v2_request(*inputs, raw=(), model="serve-test", outputs=(), **parameters):
+    """inputs: (name, datatype, shape, typed values or None)."""
+    from serve.kserve import CONTENTS_FIELD, M
+
+    request = M["ModelInferRequest"](model_name=model)
+    for name, datatype, shape, values in inputs:
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
+        if values is not None:
+            getattr(tensor.contents, CONTENTS_FIELD.get(datatype, "bytes_contents")).extend(values)
+    request.raw_input_contents.extend(raw)
+    for name in outputs:
+        request.outputs.add(name=name)
+    for key, value in parameters.items():
+        request.parameters[key].string_param = value
+    return request
+
+
+IDS = ("input_ids", "INT64", [1, 3], [1, 2, 3])
+RAW_IDS = np.array([[4, 5, 6]], "<i8").tobytes()
+BIG = "x" * 65536
+V2_BAD = {
+    "typed and raw contents on one input": (
+        _v2_request(IDS, raw=[RAW_IDS]), "inputs[input_ids]: typed contents and raw_input_contents"),
+    "an input given twice": (
+        _v2_request(IDS, ("input_ids", "INT64", [1, 3], [7, 8, 9])), "inputs[input_ids]: given 2 times"),
+    "an input given twice, raw": (
+        _v2_request(IDS[:3] + (None,), IDS[:3] + (None,), raw=[RAW_IDS, RAW_IDS]), "inputs[input_ids]: given 2 times"),
+    "fewer raw contents than inputs": (
+        _v2_request(IDS[:3] + (None,), ("attention_mask", "INT64", [1, 3], None), raw=[RAW_IDS]),
+        "raw_input_contents: 1 entries for 2 inputs"),
+    "an output asked for twice": (
+        _v2_request(IDS, outputs=("embeddings", "embeddings")), "outputs[embeddings]: requested 2 times"),
+    "65-d typed ids": (
+        _v2_request(("input_ids", "INT64", [1] * 65, [1])), "inputs[input_ids].shape: 65 dimensions"),
+    "65-d raw ids": (
+        _v2_request(("input_ids", "INT64", [1] * 65, None), raw=[np.int64(1).tobytes()]),
+        "inputs[input_ids].shape: 65 dimensions; inputs[input_ids] must be of shape [B, T]"),
+    "65-d custom mask": (
+        _v2_request(IDS, ("custom_mask", "BOOL", [1] * 65, [True]), mask_kind="custom"),
+        "inputs[custom_mask].shape: 65 dimensions"),
+    "64 KiB model name": (_v2_request(IDS, model=BIG), "…(65536 bytes) is not served here"),
+    "64 KiB input name": (_v2_request(IDS, (BIG, "INT64", [1, 3], [1, 2, 3])), "unknown input(s) 'xxx"),
+    "64 KiB mask_kind": (_v2_request(IDS, mask_kind=BIG), "parameters.mask_kind: unknown value 'xxx"),
+    "64 KiB pooling": (_v2_request(IDS, pooling=BIG), "…(65536 bytes) is not one of"),
+    "64 KiB window": (_v2_request(IDS, window="9" * 65536), "parameters.window: expected an integer"),
+    "64 KiB datatype": (_v2_request(("input_ids", BIG, [1, 3], None)), "…(65536 bytes) is not supported"),
+    "10000 unknown inputs": (_v2_request(*[(f"in{i}", "INT64", [1], [1]) for i in range(10000)]),
+                             "and 9995 more"),
+}
+V2_BAD["values in another datatype's field"] = (
+    _v2_request(("input_ids", "INT64", [1, 2], None)), "values in fp32_contents")
+V2_BAD["values in another datatype's field"][0].inputs[0].contents.fp32_contents.extend([1.0, 2.0])
+
+
+@pytest.mark.parametrize("name", sorted(V2_BAD))
+def test_ambiguous_over_ranked_or_oversized_v2_requests_are_invalid_argument_naming_the_input(server, name):
+    from serve.errors import MAX_MESSAGE_BYTES
+
+    request, words = V2_BAD[name]
+    code, details, _ = _v2_call(server, request)
+    assert code == "INVALID_ARGUMENT", (code, details[:300])
+    assert words in details, details[:300]
+    assert len(details.encode()) <= MAX_MESSAGE_BYTES + 64
+    assert "event=unexpected_error" not in server.log()
+
+
+def test_v2_custom_mask_for_rows_of_unequal_length_equals_encode(server, v2, encoder):
+    ids = np.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]], np.int64)
+    attention = np.array([[1] * 6, [1, 1, 1, 0, 0, 0]], np.int64)
+    custom = np.random.default_rng(4).random((2, 6, 6)) < 0.5
+    np.fill_diagonal(custom[0], True)
+    result = infer(v2, ids, attention=attention, custom=custom, mask_kind="custom")
+    hidden = result.as_numpy("last_hidden_state")
+    for row, n in enumerate((6, 3)):
+        alone = encoder.encode([ids[row, :n]], mask="custom", custom=custom[row, :n, :n], hidden_states=True)
+        np.testing.assert_allclose(hidden[row, :n], alone.hidden_states[0], atol=ATOL, rtol=RTOL)
+    # one [T, T] matrix for every row, in the ids' padded coordinates
+    shared = infer(v2, ids, attention=attention, custom=custom[0], mask_kind="custom").as_numpy("last_hidden_state")
+    alone = encoder.encode([ids[1, :3]], mask="custom", custom=custom[0, :3, :3], hidden_states=True)
+    np.testing.assert_allclose(shared[1, :3], alone.hidden_states[0], atol=ATOL, rtol=RTOL)

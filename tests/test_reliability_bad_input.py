@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serve.errors import MAX_MESSAGE_BYTES
 from serve.pb import pb
 from tests.reliability_common import count
 
@@ -73,7 +74,8 @@ CASES = [
     ("no bytes", "tokens", req(T(pb.DATA_TYPE_INT64, [3], b"")), INVALID, "sequences[0].data: 0 bytes"),
     ("negative dimension", "tokens", req(T(pb.DATA_TYPE_INT64, [-1], b"")), INVALID, "negative dimension"),
     ("huge dimension", "tokens", req(T(pb.DATA_TYPE_INT64, [2 ** 40], b"\0" * 8)), INVALID, "sequences[0].data"),
-    ("overflowing shape", "tokens", req(T(pb.DATA_TYPE_INT64, [2 ** 62, 2 ** 62], b"\0" * 8)), INVALID, "needs"),
+    ("overflowing shape", "features", req(T(pb.DATA_TYPE_FLOAT32, [2 ** 62, 2 ** 62], b"\0" * 8)), INVALID,
+     "needs"),
     ("2-d ids", "tokens", req(ids([[1, 2], [3, 4]])), INVALID, "of shape [T]"),
     ("negative id", "tokens", req(ids([1, -1])), INVALID, "token id -1 out of range [0, 100)"),
     ("id == vocab_size", "tokens", req(ids([VOCAB])), INVALID, "token id 100 out of range"),
@@ -92,9 +94,19 @@ CASES = [
     ("custom mask on another kind", "tokens", req(OK3, kind=0, custom=boolean([3, 3])), INVALID,
      "only used with kind=custom"),
     ("custom mask batch mismatch", "tokens", req(OK3, OK3, kind=5, custom=boolean([3, 3, 3])), INVALID,
-     "3 matrices for 2 sequences"),
+     "must be [2, 3, 3]: one matrix per sequence"),
     ("custom mask 4-d", "tokens", req(OK3, kind=5, custom=boolean([1, 1, 3, 3])), INVALID,
-     "must be [T, T] or [B, T, T]"),
+     "mask.custom.shape: 4 dimensions; mask.custom must be of shape [T, T] or [B, T, T]"),
+    ("padded custom mask of the wrong size", "tokens", req(OK3, ids([1, 2]), kind=5, custom=boolean([2, 2, 2])),
+     INVALID, "mask.custom: shape [2, 2, 2] must be [2, 3, 3]"),
+    ("65-d custom mask", "tokens", req(OK3, kind=5, custom=T(pb.DATA_TYPE_BOOL, [1] * 65, b"\1")), INVALID,
+     "mask.custom.shape: 65 dimensions"),
+    ("65-d ids", "tokens", req(T(pb.DATA_TYPE_INT64, [1] * 65, b"\0" * 8)), INVALID,
+     "sequences[0].shape: 65 dimensions; sequences[0] must be of shape [T]"),
+    ("20000-d ids", "tokens", req(T(pb.DATA_TYPE_INT64, [1] * 20000, b"\0" * 8)), INVALID,
+     "sequences[0].shape: 20000 dimensions"),
+    ("65-d features", "features", req(T(pb.DATA_TYPE_FLOAT32, [1] * 65, b"\0" * 4)), INVALID,
+     f"sequences[0].shape: 65 dimensions; sequences[0] must be of shape [T, {FEATURES_D}]"),
     ("custom mask bytes mismatch", "tokens", req(OK3, kind=5, custom=T(pb.DATA_TYPE_BOOL, [3, 3], b"\1" * 8)),
      INVALID, "mask.custom.data"),
     ("bool mask bytes not 0 or 1", "tokens", req(OK3, kind=5, custom=T(pb.DATA_TYPE_BOOL, [3, 3], b"\1\2" + b"\1" * 7)),
@@ -192,6 +204,7 @@ def test_bad_input_gets_its_status_and_a_message_naming_the_problem(servers, exp
     got, details, _ = _raw(servers[1][model], payload)
     assert got == code, (got, details)
     assert words in details, details
+    assert len(details.encode()) <= MAX_MESSAGE_BYTES + 64  # bounded, whatever the request held
     _healthy_and_correct(servers, expected, model)
     count(bad_inputs_tried=1)
 

@@ -59,7 +59,8 @@ def test_cancelled_and_expired_requests_leave_their_batch_mates_correct(slow_bat
         futures = {i: stub.Encode.future(build_request([seqs[i]], hidden_states=True, pooling="mean"),
                                          timeout=0.3 if i in expire else 30)
                    for i in seqs}
-        time.sleep(0.1)  # all queued, the batch still forming (1 s)
+        batcher = slow_batch_server.server.engine().batcher
+        assert wait_until(lambda: batcher.queue_depth() == len(seqs), 10)  # all queued, the batch still forming (1 s)
         for i in cancel:
             futures[i].cancel()
         survivors = 0

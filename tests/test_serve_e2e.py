@@ -89,6 +89,20 @@ def test_custom_mask_matches_pytorch(client, serve_reference, per_sequence):
         np.testing.assert_allclose(out.embeddings[i], ref_mean, atol=ATOL, rtol=0)
 
 
+def test_custom_masks_for_sequences_of_unequal_length_padded_to_the_longest_match_pytorch(client, serve_reference):
+    lengths = (12, 5, 9)
+    customs = np.random.default_rng(8).random((len(lengths), 12, 12)) < 0.4  # [B, Tmax, Tmax]
+    customs[1, :, 5:] = True  # entries past a row's length are ignored, whatever they hold
+    sequences = [_ids(n, 20 + i) for i, n in enumerate(lengths)]
+    out = client.encode(sequences, mask="custom", custom=customs, hidden_states=True)
+    for i, (seq, hidden) in enumerate(zip(sequences, out.hidden_states)):
+        n = len(seq)
+        ref_hidden, ref_mean = serve_reference(seq, MaskKind.CUSTOM, custom=customs[i, :n, :n])
+        assert hidden.shape == (n, 32)
+        np.testing.assert_allclose(hidden, ref_hidden, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(out.embeddings[i], ref_mean, atol=ATOL, rtol=0)
+
+
 def test_first_token_pooling_with_l2_normalisation(client, serve_reference):
     seq = _ids(9, 3)
     out = client.encode([seq], mask="causal", pooling="first", normalize=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import threading
@@ -12,8 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve.app import create_server, default_backend
-from serve.client import EncoderClient
+from serve.client import EncoderClient, build_request
 from serve.config import ServerConfig
+from serve.pb import pb_grpc
+from tests.reliability_common import assert_sigterm_under_load_answers_every_accepted_request, wait_until
 from tests.subprocess_env import REPO, repo_env
 
 
@@ -66,45 +69,109 @@ def test_health_is_serving_only_after_warm_up(serve_export_dir):
 
 
 def test_sigterm_under_load_answers_every_accepted_request_and_exits_zero(serve_start, serve_export_dir):
-    server = serve_start(serve_export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20")
-    codes: list[tuple[str, str]] = []
-    ok = threading.Semaphore(0)
-    lock = threading.Lock()
-    stop = threading.Event()
+    # tests/test_reliability_chaos.py runs the same with a CPU hog beside it
+    assert_sigterm_under_load_answers_every_accepted_request(serve_start, serve_export_dir)
 
-    def load(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with EncoderClient(server.target, retries=0, timeout=30) as client:
-            while not stop.is_set():
-                seqs = [rng.integers(0, 100, rng.integers(1, 100)) for _ in range(4)]
-                try:
-                    out = client.encode(seqs, hidden_states=True)
-                    assert out.embeddings.shape == (4, 32)
-                    result = ("OK", "")
-                    ok.release()
-                except grpc.RpcError as error:
-                    result = (error.code().name, error.details() or "")
-                    stop.set()  # after the first refusal, stop sending
-                with lock:
-                    codes.append(result)
 
-    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for _ in range(30):  # well under way
-        assert ok.acquire(timeout=30)
-    exit_code = server.terminate(timeout=60)
-    stop.set()
-    for t in threads:
-        t.join(30)
+class GatedServer:
+    """An in-process server whose inference calls, once armed, wait at a gate the test opens: the test
+    decides when a batch finishes, so what it asserts about a drain never depends on timing."""
 
-    assert exit_code == 0, server.log()
-    refused = [(code, details) for code, details in codes if code != "OK"]
-    assert all(code == "UNAVAILABLE" for code, _ in refused), refused
-    # A refusal happens at admission; no request that was admitted was dropped unanswered.
-    assert not any("stopped before" in details for _, details in refused), refused
-    log = server.log()
-    assert "event=draining" in log and "drained=True" in log
+    def __init__(self, export_dir, **fields) -> None:
+        self.entered, self.release, self._armed = threading.Event(), threading.Event(), threading.Event()
+
+        def gated(export, config):
+            backend = default_backend(export, config)
+            real_encode = backend.encode
+
+            def encode(batch):
+                if self._armed.is_set():
+                    self.entered.set()
+                    self.release.wait(30)
+                return real_encode(batch)
+
+            backend.encode = encode
+            return backend
+
+        config = ServerConfig(port=0, metrics_port=-1, export_dir=str(export_dir), **fields)
+        self.server, port = create_server(config, backend_factory=gated)
+        self.target = f"127.0.0.1:{port}"
+        self.server.start()
+        self.server.load()
+        self._armed.set()  # warm-up and the start-up probe ran through the open gate
+
+    def shutdown_in_background(self, grace: float) -> tuple[threading.Thread, list]:
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(self.server.shutdown(grace)))
+        thread.start()
+        return thread, result
+
+    def wait_not_serving(self) -> None:
+        """Returns once health reports NOT_SERVING (a Watch stream: no polling)."""
+        with grpc.insecure_channel(self.target) as channel:
+            for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30):
+                if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    return
+
+
+def _events(caplog, name: str) -> list[dict]:
+    return [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == name]
+
+
+def test_draining_refuses_new_calls_unavailable_and_answers_every_admitted_one_streams_included(
+        serve_export_dir, caplog):
+    caplog.set_level("INFO", logger="serve")
+    gated = GatedServer(serve_export_dir)
+    sent: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(gated.target) as channel:
+        stub = pb_grpc.EncoderServiceStub(channel)
+        stream = stub.EncodeStream(iter(sent.get, None), timeout=60)
+        sent.put(build_request([[1, 2, 3]], request_id="a"))
+        assert gated.entered.wait(30)  # "a" runs, held at the gate
+        unary = stub.Encode.future(build_request([[4, 5, 6]]), timeout=60)
+        engine = gated.server.engine()
+        assert wait_until(lambda: engine.batcher.queue_depth() == 1, 30)  # admitted, queued behind "a"
+        drain, drained = gated.shutdown_in_background(grace=60)
+        gated.wait_not_serving()
+        with pytest.raises(grpc.RpcError) as late:  # arrives while draining: refused, retry-safe
+            stub.Encode(build_request([[7, 8]]), timeout=30)
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in late.value.details()
+        gated.release.set()
+        first = next(stream)
+        assert first.response.request_id == "a" and not first.error.code
+        with pytest.raises(grpc.RpcError) as ended:  # then the stream ends, UNAVAILABLE, saying why
+            next(stream)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "after answering its 1 requests" in ended.value.details()
+        sent.put(None)
+        assert unary.result().results[0].HasField("embedding")  # admitted before: answered
+    drain.join(60)
+    assert drained == [True]
+    stopped = _events(caplog, "stopped")[-1]
+    assert stopped["drained"] is True and stopped["abandoned"] == 0 and stopped["refused_while_draining"] >= 1
+
+
+def test_a_call_still_running_when_the_grace_period_ends_gets_unavailable_and_is_counted(
+        serve_export_dir, caplog):
+    caplog.set_level("INFO", logger="serve")
+    gated = GatedServer(serve_export_dir)
+    try:
+        with grpc.insecure_channel(gated.target) as channel:
+            stub = pb_grpc.EncoderServiceStub(channel)
+            running = stub.Encode.future(build_request([[1, 2, 3]]), timeout=60)
+            assert gated.entered.wait(30)  # held at the gate past the grace period
+            drain, drained = gated.shutdown_in_background(grace=0.5)
+            with pytest.raises(grpc.RpcError) as caught:
+                running.result()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # never CANCELLED
+            assert "grace period (0.5 s) ran out" in caught.value.details()
+    finally:
+        gated.release.set()
+    drain.join(60)
+    assert drained == [False]
+    assert _events(caplog, "drain_timeout")[-1]["abandoned"] == 1
+    assert _events(caplog, "stopped")[-1]["abandoned"] == 1
 
 
 @pytest.mark.skipif(

@@ -56,6 +56,16 @@ def test_tensor_bytes_that_disagree_with_the_shape_name_the_field():
         to_numpy(bad, "x")
 
 
+@pytest.mark.parametrize("field, layout, rank", [("sequences[0]", "[T]", 1), ("mask.custom", "[T, T] or [B, T, T]", 3)])
+def test_a_tensor_of_more_dimensions_than_its_input_takes_is_refused_before_numpy_sees_it(field, layout, rank):
+    for dims in (rank + 1, 65, 100_000):  # numpy itself refuses > 64 dimensions with a ValueError
+        tensor = pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=[1] * dims, data=b"\1")
+        with pytest.raises(errors.ValidationError) as caught:
+            to_numpy(tensor, field, layout, rank)
+        assert caught.value.message == f"{field}.shape: {dims} dimensions; {field} must be of shape {layout}"
+    assert to_numpy(pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=[1] * rank, data=b"\1"), field, layout, rank).ndim == rank
+
+
 # --- config ------------------------------------------------------------------------------------
 def test_config_flags_override_environment_which_overrides_defaults():
     env = {"ENCODER_PORT": "6000", "ENCODER_HOST": "0.0.0.0", "ENCODER_WARMUP": "false"}
@@ -102,6 +112,18 @@ def test_errors_map_to_one_grpc_status_each_and_never_unknown(error, code):
     assert errors.to_status(error)[0] == code
 
 
+def test_client_strings_in_messages_are_cut_to_a_bounded_length():
+    name = "m" * 65536
+    assert errors.quote("short") == "'short'" and errors.clip("short") == "short"
+    assert errors.quote(name) == repr("m" * errors.QUOTE_CHARS) + "…(65536 bytes)"
+    assert errors.clip("é" * 300) == "é" * errors.QUOTE_CHARS + "…(600 bytes)"
+    assert errors.clip(b"\xff" * 300).endswith("…(300 bytes)")
+    # and whatever a message holds, the status carries at most MAX_MESSAGE_BYTES (+ the note)
+    for error in (errors.ValidationError(f"model {name} is not served"), KeyError(name)):
+        code, message = errors.to_status(error)
+        assert len(message.encode()) < errors.MAX_MESSAGE_BYTES + 64 and "message cut" in message
+
+
 # --- validation --------------------------------------------------------------------------------
 def test_rows_carry_their_own_mask_choice():
     request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])),
@@ -109,6 +131,25 @@ def test_rows_carry_their_own_mask_choice():
     rows = to_rows(request, CONFIG, Limits(4, 32))
     assert [(r.length, r.kind, r.causal, r.window, r.step) for r in rows] == [(3, 4, True, 1, 2), (1, 4, True, 1, 2)]
     assert rows[1].inputs.dtype == np.int64
+
+
+def test_a_custom_mask_padded_to_the_longest_sequence_serves_sequences_of_unequal_length():
+    custom = np.random.default_rng(0).random((2, 5, 5)) < 0.5
+    request = EncodeRequest((np.int64([1, 2, 3, 4, 5]), np.int64([6, 7, 8])), MaskChoice(MaskKind.CUSTOM, custom=custom))
+    rows = to_rows(request, CONFIG, Limits(4, 32))
+    np.testing.assert_array_equal(rows[0].custom, custom[0])
+    np.testing.assert_array_equal(rows[1].custom, custom[1, :3, :3])  # entries past length 3 are ignored
+    for shape in ((2, 4, 4), (2, 6, 6), (3, 5, 5)):
+        bad = EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.ones(shape, bool)))
+        with pytest.raises(errors.ValidationError, match=r"must be \[2, 5, 5\]: one matrix per sequence"):
+            to_rows(bad, CONFIG, Limits(4, 32))
+    # the exact forms still hold: [T, T] for sequences all of length T, [B, T, T] of equal lengths
+    same = (np.int64([1, 2, 3]), np.int64([4, 5, 6]))
+    assert all(r.custom.shape == (3, 3) for r in to_rows(
+        EncodeRequest(same, MaskChoice(MaskKind.CUSTOM, custom=np.eye(3, dtype=bool))), CONFIG, Limits(4, 32)))
+    with pytest.raises(errors.ValidationError, match=r"needs \[3, 3\].*\[B, Tmax, Tmax\]"):
+        to_rows(EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.eye(5, dtype=bool))),
+                CONFIG, Limits(4, 32))
 
 
 # --- export directory --------------------------------------------------------------------------
@@ -140,12 +181,14 @@ class FakeBackend:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.release.set()
+        self.entered = threading.Event()  # set once the worker is inside encode (a batch is running)
         self.batches: list[int] = []
 
     def health(self) -> None:
         pass
 
     def encode(self, batch):
+        self.entered.set()
         self.release.wait(10)
         ids = batch["input_ids"].astype(np.float32)
         self.batches.append(ids.shape[0])
@@ -194,7 +237,7 @@ def test_batcher_full_queue_is_overloaded():
     backend.release.clear()
     batcher = _batcher(backend, max_queue_size=2, max_queue_delay_s=0)
     first = _submit(batcher, [1])
-    time.sleep(0.1)  # the worker took `first` and blocks in the backend
+    assert backend.entered.wait(5)  # the worker took `first` and blocks in the backend
     _submit(batcher, [1]), _submit(batcher, [1])
     with pytest.raises(errors.Overloaded, match="max_queue_size=2"):
         _submit(batcher, [1])
@@ -208,12 +251,11 @@ def test_batcher_drops_expired_and_cancelled_requests_before_running_them():
     backend.release.clear()
     batcher = _batcher(backend, max_queue_delay_s=0)
     blocker = _submit(batcher, [1])
-    time.sleep(0.1)
-    expired = _submit(batcher, [2], deadline=time.monotonic() + 0.01)
+    assert backend.entered.wait(5)  # the worker runs `blocker`; the next three queue behind it
+    expired = _submit(batcher, [2], deadline=time.monotonic() - 1.0)  # already past when the batch forms
     cancelled = _submit(batcher, [3])
     cancelled.cancel()
     kept = _submit(batcher, [4])
-    time.sleep(0.05)
     backend.release.set()
     blocker.wait(5)
     assert kept.wait(5).batch_size == 1
@@ -236,6 +278,24 @@ def test_batcher_after_close_refuses_new_work_but_finishes_queued_work():
     backend.release.set()
     assert batcher.drain(5)
     assert all(t.wait(0).outputs for t in queued)
+    batcher.stop(5)
+
+
+def test_batcher_abandon_answers_queued_and_running_requests_with_the_error_it_is_given():
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0)
+    running = _submit(batcher, [1])
+    assert backend.entered.wait(5)
+    queued = _submit(batcher, [2])
+    assert batcher.abandon(errors.Unavailable("grace period ran out")) == 2
+    for ticket in (running, queued):
+        with pytest.raises(errors.Unavailable, match="grace period ran out"):
+            ticket.wait(0)
+    backend.release.set()  # the running batch ends later: its result is dropped, the answer stays
+    assert batcher.drain(5)
+    with pytest.raises(errors.Unavailable):
+        running.wait(0)
     batcher.stop(5)
 
 
@@ -332,9 +392,9 @@ def test_a_failing_run_of_a_split_batch_fails_only_the_request_that_poisons_it()
 
 
 # --- generated code and the torch boundary -----------------------------------------------------
-def test_generated_code_is_current_and_regenerates_identically(tmp_path):
-    protogen.ensure_generated()
-    assert not protogen.is_stale()
+def test_generated_code_in_use_equals_what_the_protos_generate_now(tmp_path):
+    # No regeneration first: this compares the package the server imports with a fresh one from
+    # protos/, so it fails when the staleness stamp misses a change (or the code was edited by hand).
     fresh = tmp_path / "_proto"
     protogen.generate(fresh)
     ours = sorted(p.relative_to(protogen.OUT_DIR) for p in protogen.OUT_DIR.rglob("*") if p.is_file()
@@ -343,6 +403,18 @@ def test_generated_code_is_current_and_regenerates_identically(tmp_path):
     assert ours == theirs
     mismatch = [str(p) for p in ours if not filecmp.cmp(protogen.OUT_DIR / p, fresh / p, shallow=False)]
     assert not mismatch
+
+
+def test_a_changed_proto_makes_the_generated_code_stale(tmp_path):
+    protos, out = tmp_path / "protos", tmp_path / "_proto"
+    shutil.copytree(protogen.PROTO_DIR, protos)
+    protogen.generate(out, protos)
+    assert not protogen.is_stale(out, protos)
+    proto = protos / "encoder" / "v1" / "encoder.proto"
+    proto.write_text(proto.read_text() + "\n// a comment changes the sources\n")
+    assert protogen.is_stale(out, protos)
+    (out / protogen.STAMP).unlink()
+    assert protogen.is_stale(out, protos)
 
 
 def test_serving_never_imports_torch(serve_export_dir):
