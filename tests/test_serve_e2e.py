@@ -132,27 +132,36 @@ def _batch_size_histogram(server) -> tuple[float, float]:
 
 
 def test_concurrent_mixed_mask_requests_are_batched_and_match_single_requests(client, server):
+    """Requests sent at once share session.runs. Whether they arrive while a batch runs depends on the
+    machine's scheduling, so a busy machine gets up to ROUNDS tries to show one shared run; every round's
+    answers must equal the single requests'."""
     options = MASKS * 2
     sequences = [_ids(3 + 5 * i, 100 + i) for i in range(len(options))]
     alone = [client.encode([seq], hidden_states=True, **opt) for seq, opt in zip(sequences, options)]
-    count_before, ones_before = _batch_size_histogram(server)
+    shared = False
+    for _ in range(ROUNDS):
+        count_before, ones_before = _batch_size_histogram(server)
+        barrier = threading.Barrier(len(options))
 
-    barrier = threading.Barrier(len(options))
+        def call(i: int):
+            barrier.wait()
+            return client.encode([sequences[i]], hidden_states=True, **options[i])
 
-    def call(i: int):
-        barrier.wait()
-        return client.encode([sequences[i]], hidden_states=True, **options[i])
+        together = call_concurrently(call, len(options))
+        count_after, ones_after = _batch_size_histogram(server)
+        for single, batched in zip(alone, together):
+            np.testing.assert_allclose(batched.hidden_states[0], single.hidden_states[0], atol=1e-5, rtol=0)
+            np.testing.assert_allclose(batched.embeddings, single.embeddings, atol=1e-5, rtol=0)
+        # Every request was one sequence, so fewer batches than requests means they shared session.runs.
+        if (count_after - count_before < len(options)
+                and (count_after - count_before) - (ones_after - ones_before) >= 1  # some batch had >1 row
+                and max(out.metadata.batch_size for out in together) > 1):
+            shared = True
+            break
+    assert shared, f"no round of {len(options)} concurrent requests shared a session.run in {ROUNDS} tries"
 
-    together = call_concurrently(call, len(options))
 
-    count_after, ones_after = _batch_size_histogram(server)
-    # Every request was one sequence, so fewer batches than requests means they shared session.runs.
-    assert count_after - count_before < len(options)
-    assert (count_after - count_before) - (ones_after - ones_before) >= 1  # some batch had >1 row
-    assert max(out.metadata.batch_size for out in together) > 1
-    for single, batched in zip(alone, together):
-        np.testing.assert_allclose(batched.hidden_states[0], single.hidden_states[0], atol=1e-5, rtol=0)
-        np.testing.assert_allclose(batched.embeddings, single.embeddings, atol=1e-5, rtol=0)
+ROUNDS = 5
 
 
 def _raw(**fields) -> pb.EncodeRequest:
