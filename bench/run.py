@@ -4,6 +4,7 @@ targets, print a table and write JSON. `python -m bench` calls `run_bench`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ import numpy as np
 from bench import model_bench as mb
 from bench import server_bench as sb
 from model.config import EncoderConfig
+from model.export_format import ExportError, read_metadata
 
 DEFAULT_POINTS = ((1, 128), (8, 256), (1, 1024))
 MODEL_GRAPHS = ("fp32", "optimized", "int8", "fp16")
@@ -102,15 +104,17 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
     if options.export_dir:
         return Path(options.export_dir)
     from export.exporter import export_model
-    from model.config import to_dict
 
     root = Path(options.out).parent / "export"
     target = root / config.name
-    meta, stamp = target / "metadata.json", root / f".{config.name}.source-sha256"
+    stamp = root / f".{config.name}.source-sha256"
     source = _exporter_source_hash()
-    if meta.exists() and stamp.exists() and stamp.read_text() == source:
-        data = json.loads(meta.read_text())
-        if data.get("config") == json.loads(json.dumps(to_dict(config))) and set(graphs) <= set(data["graphs"]):
+    if stamp.exists() and stamp.read_text() == source:
+        try:
+            metadata = read_metadata(target)
+        except ExportError:
+            metadata = None
+        if metadata and metadata.config == config and set(graphs) <= set(metadata.graphs):
             say(f"reusing export {target}")
             return target
     say(f"exporting {', '.join(graphs)} to {target}")
@@ -121,8 +125,6 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
 
 def _exporter_source_hash() -> str:
     """sha256 over model/ and export/ sources: a reused export must come from the code being measured."""
-    import hashlib
-
     repo = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for path in sorted([*repo.glob("model/*.py"), *repo.glob("export/*.py")]):
@@ -138,7 +140,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
     from model.encoder import build_encoder
     from model.signature import input_names
 
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     cuda = "CUDAExecutionProvider" in ort.get_available_providers()
     on_gpu = options.device == "cuda"
     torch.set_num_threads(threads)
@@ -146,7 +148,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
     settings = mb.SessionSettings(intra_op_threads=threads)
     sessions = {}
     for graph in graphs:
-        if graph not in meta["graphs"]:
+        if graph not in graph_files:
             continue
         providers = mb.CUDA_PROVIDERS if (on_gpu or graph == "fp16") else None
         if graph == "fp16" and not cuda:
@@ -155,7 +157,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
         if graph == "int8" and on_gpu:
             say("int8: skipped on cuda (dynamic quantisation is the CPU variant)")
             continue
-        sessions[graph] = mb.make_session(str(export_dir / meta["graphs"][graph]["file"]), settings, providers)
+        sessions[graph] = mb.make_session(str(export_dir / graph_files[graph].file), settings, providers)
     rows = []
     order = list(input_names(config))
     for batch, length in options.points:
@@ -174,7 +176,7 @@ def tune_sessions(config: EncoderConfig, export_dir: Path, threads: int, point: 
                   say) -> list[dict]:
     """fp32 / optimized / int8 at one point under a few SessionOptions: threads, optimisation level,
     execution mode, spinning."""
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     batch, length = point
     feeds = mb.bench_feeds(config, batch, length)
     candidates = [
@@ -188,9 +190,9 @@ def tune_sessions(config: EncoderConfig, export_dir: Path, threads: int, point: 
     ]
     runners, labels = {}, {}
     for graph in ("fp32", "optimized", "int8"):
-        if graph not in meta["graphs"]:
+        if graph not in graph_files:
             continue
-        path = str(export_dir / meta["graphs"][graph]["file"])
+        path = str(export_dir / graph_files[graph].file)
         for settings in candidates:
             if graph != "fp32" and settings.optimization != "all":
                 continue  # the level matters for the raw graph; the derived ones are fused already
@@ -211,17 +213,17 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     from bench.model_bench import SessionSettings, make_session
     from export.cases import MaskSpec, make_feeds
 
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     vocab = config.vocab_size
     length = min(128, config.max_positions) if not options.quick else min(16, config.max_positions)
     ids = sb.token_ids(vocab, length, seed=1)
     result: dict = {"latency": {}, "throughput": {}, "memory": {}}
 
     # (b) latency, server vs in-process: same graph, same thread count, same session options.
-    graph = options.serve_graph if options.serve_graph in meta["graphs"] else "fp32"
+    graph = options.serve_graph if options.serve_graph in graph_files else "fp32"
     device = ["--device", options.device]
     flags = sb.server_flags(graph, threads, batching=True) + device
-    session = make_session(str(export_dir / meta["graphs"][graph]["file"]), SessionSettings(threads),
+    session = make_session(str(export_dir / graph_files[graph].file), SessionSettings(threads),
                            mb.CUDA_PROVIDERS if options.device == "cuda" else None)
     feeds = make_feeds(config, [length], MaskSpec(), padded_to=length)
     feeds[next(iter(feeds))] = ids[None, :]
@@ -439,9 +441,7 @@ def run_bench(options: BenchOptions, *, progress=None) -> dict:
     started = time.time()
     config = quick_config() if options.quick else EncoderConfig()
     if options.export_dir:  # benchmark the model that export holds, whatever its size
-        from model.config import from_dict
-
-        config = from_dict(json.loads((Path(options.export_dir) / "metadata.json").read_text())["config"])
+        config = read_metadata(options.export_dir).config
     threads = options.threads or physical_cores()
     report: dict = {"format": "encoder-bench/1", "quick": options.quick,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -15,7 +15,6 @@ and mis-shaped. No transformers at run time: safetensors are read with `safetens
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 from model import text as _text
 from model.config import ConfigError, EncoderConfig, from_json, to_json
 from model.encoder import Encoder, build_encoder
+from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file
 
 
 class CheckpointError(ValueError):
@@ -279,12 +279,11 @@ class PretrainedModel:
     pooling: Mapping[str, Any]  # pooling_settings(...): {"mode": "mean", "normalize": True}
     max_length: int  # tokenizer truncation length (sentence-transformers' max_seq_length)
 
-    def tokenizer_metadata(self) -> dict[str, Any] | None:
-        """metadata.json's "tokenizer": {"file", "sha256", "max_length"}, or None without one."""
+    def tokenizer_metadata(self) -> TokenizerEntry | None:
+        """metadata.json's "tokenizer" (model/export_format.py), or None without one."""
         if self.tokenizer_file is None:
             return None
-        digest = hashlib.sha256(self.tokenizer_file.read_bytes()).hexdigest()
-        return {"file": "tokenizer.json", "sha256": digest, "max_length": self.max_length}
+        return TokenizerEntry(TOKENIZER_FILE, sha256_file(self.tokenizer_file), self.max_length)
 
     def tokenizer(self):
         """A `tokenizers.Tokenizer` truncating to max_length and padding to the batch's longest."""

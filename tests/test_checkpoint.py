@@ -120,7 +120,7 @@ def test_packaged_minilm_loads_as_bert_config_with_st_settings(minilm):
 def test_minilm_tokenizer_metadata_records_hash_and_max_length(minilm):
     import hashlib
 
-    meta = minilm.tokenizer_metadata()
+    meta = minilm.tokenizer_metadata().as_dict()
     assert meta == {"file": "tokenizer.json", "max_length": 256,
                     "sha256": hashlib.sha256(minilm.tokenizer_file.read_bytes()).hexdigest()}
 
