@@ -66,7 +66,7 @@ def _parse_overrides(pairs: list[str]) -> dict:
 def _plan(args: argparse.Namespace) -> list[dict]:
     """One dict of export_model keyword arguments per export to write."""
     if args.minilm or args.from_pretrained:
-        from model.checkpoint import load_pretrained, minilm_path
+        from model.hf_bert import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else args.from_pretrained
         pretrained = load_pretrained(directory)
