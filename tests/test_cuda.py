@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
 from serve.client import EncoderClient
 from tests.concurrency import call_concurrently
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 )]
 
 CUDA = "CUDAExecutionProvider"
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 FP16_MIN_COSINE = 0.9999  # the fp16 graph's export tolerance (export/graphs.py)
 LENGTHS = [5, 17, 1, 40]
 MASKS = [

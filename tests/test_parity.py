@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
-from export.contract import ExportContract
+from export.contract import FP32_TOLERANCE, ExportContract
 from export.validate import reference_outputs
 from model.config import ACTIVATIONS, ATTENTION_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITIONALS
 from model.encoder import build_encoder
 from model.mask_kinds import MaskKind
 
-ATOL = 1e-4  # max |PyTorch - ONNX Runtime| on hidden states and pooled vectors
+ATOL = FP32_TOLERANCE["limit"]  # max |PyTorch - ONNX Runtime| on hidden states and pooled vectors
 from tests.conftest import PARITY_CONFIGS
 
 VARIANTS = list(PARITY_CONFIGS)
