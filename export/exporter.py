@@ -130,8 +130,9 @@ def export_model(
     """Export `model` (default: the seeded encoder for `config`) into `out_dir/config.name/`.
 
     extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
-    Raises ExportError (model/export_format.py) for bad requests and export.validate.ExportValidationError when a graph
-    does not match PyTorch; in both cases nothing is left in out_dir.
+    Raises ExportError (model/export_format.py) for bad requests and
+    export.validate.ExportValidationError when a graph does not match PyTorch; in both cases nothing
+    is left in out_dir.
     """
     say = progress or (lambda _msg: None)
     unknown = [g for g in graphs if g not in GRAPHS and g != LONG]
