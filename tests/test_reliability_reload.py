@@ -82,8 +82,8 @@ def test_reload_rpc_switches_atomically_and_admitted_requests_finish_on_the_old_
     def swap_with_requests_in_flight(old, new):  # timing only: admit requests just before the switch
         ids, real_submit = set(), old.batcher.submit
 
-        def submit(request, rows, deadline=None):
-            ticket = real_submit(request, rows, deadline)
+        def submit(request, rows, *rest):  # whatever else Batcher.submit takes, passed on
+            ticket = real_submit(request, rows, *rest)
             ids.add(request.request_id)
             return ticket
 
