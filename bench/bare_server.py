@@ -31,19 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
     import onnxruntime as ort
 
-    from model.config import from_dict
+    from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
     from serve.core import Row, pad_batch
     from serve.pb import pb, pb_grpc
     from serve.tensors import from_numpy, to_numpy
 
-    meta = json.loads((Path(args.export_dir) / "metadata.json").read_text())
-    config = from_dict(meta["config"])
+    metadata = read_metadata(args.export_dir)
+    config = metadata.config
     if config.input_kind != "tokens":
         parser.error("the bare server takes token models only")
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    session = ort.InferenceSession(str(Path(args.export_dir) / meta["graphs"][args.graph]["file"]), options,
+    graph_path, _ = metadata.graph_file(args.export_dir, args.graph, verify=False)
+    session = ort.InferenceSession(str(graph_path), options,
                                    providers=["CPUExecutionProvider"])
 
     class Bare(pb_grpc.EncoderServiceServicer):

@@ -84,6 +84,7 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
     from bench.run import BenchOptions, ensure_export, machine_info, physical_cores
     from model.attention_paths import DENSE, cheapest, RowMask
     from model.config import to_dict
+    from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
     from serve.attention_budget import available_memory
 
@@ -102,9 +103,9 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
     results: list[Measurement] = []
     for label, variant, kind, window, step, causal in CASES:
         config = configs[variant]
-        metadata = json.loads((exports[variant] / "metadata.json").read_text())
-        files = {entry.get("attention_path", DENSE): exports[variant] / entry["file"]
-                 for name, entry in metadata["graphs"].items() if name in ("fp32", "sparse", "linear")}
+        metadata = read_metadata(exports[variant])
+        files = {entry.attention_path: exports[variant] / entry.file
+                 for name, entry in metadata.graphs.items() if name in ("fp32", "sparse", "linear")}
         for length in sorted({*lengths, *extra}):
             served = cheapest(length, RowMask(MaskKind.parse(kind), window, step), config, tuple(files))
             for engine in ENGINES:

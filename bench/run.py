@@ -1,9 +1,10 @@
-"""One benchmark run: export (or reuse) the graphs, time the model, time the server, judge the
-targets, print a table and write JSON. `python -m bench` calls `run_bench`.
+"""One benchmark run: export (or reuse) the graphs, time the model, time the server, write JSON.
+`python -m bench` calls `run_bench`; judging the targets and the table are bench/report.py's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -16,20 +17,12 @@ import numpy as np
 
 from bench import model_bench as mb
 from bench import server_bench as sb
+from bench.report import format_table, judge, row_text
 from model.config import EncoderConfig
+from model.export_format import ExportError, read_metadata
 
 DEFAULT_POINTS = ((1, 128), (8, 256), (1, 1024))
 MODEL_GRAPHS = ("fp32", "optimized", "int8", "fp16")
-# The issue's targets: (key, description, limit, at least (True) or at most (False)).
-TARGETS = (
-    ("ort_fp32_vs_torch@8x256", "ORT fp32 speed-up over PyTorch eager at (8,256)", 1.5, True),
-    ("ort_fp32_vs_torch@1x1024", "ORT fp32 speed-up over PyTorch eager at (1,1024)", 1.5, True),
-    ("best_fp32_matmul_fraction@8x256", "best fp32 graph, fraction of measured matmul GFLOP/s at (8,256)", 0.75, True),
-    ("int8_vs_ort_fp32@8x256", "int8 speed-up over ORT fp32 at (8,256)", 1.8, True),
-    ("server_p50_vs_inprocess@1x128", "server p50 / in-process p50 at (1,128)", 1.15, False),
-    ("batching_throughput_gain@32x32", "throughput batching on / off, 32 clients, length 32", 3.0, True),
-    ("rss_growth_1k_to_20k", "server RSS (high-water mark) growth from 1k to 20k requests (fraction)", 0.05, False),
-)
 
 
 @dataclass(frozen=True)
@@ -103,16 +96,17 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
         return Path(options.export_dir)
     from export.exporter import export_model
     from export.graphs import resolve
-    from model.config import to_dict
 
     root = Path(options.out).parent / "export"
     target = root / config.name
-    meta, stamp = target / "metadata.json", root / f".{config.name}.source-sha256"
+    stamp = root / f".{config.name}.source-sha256"
     source = _exporter_source_hash()
-    if meta.exists() and stamp.exists() and stamp.read_text() == source:
-        data = json.loads(meta.read_text())
-        if data.get("config") == json.loads(json.dumps(to_dict(config))) and \
-                set(resolve(tuple(graphs), config)) <= set(data["graphs"]):  # "long" names the config's long graph
+    if stamp.exists() and stamp.read_text() == source:
+        try:
+            metadata = read_metadata(target)
+        except ExportError:
+            metadata = None
+        if metadata and metadata.config == config and set(resolve(tuple(graphs), config)) <= set(metadata.graphs):
             say(f"reusing export {target}")
             return target
     say(f"exporting {', '.join(graphs)} to {target}")
@@ -123,8 +117,6 @@ def ensure_export(config: EncoderConfig, graphs: tuple, options: BenchOptions, s
 
 def _exporter_source_hash() -> str:
     """sha256 over model/ and export/ sources: a reused export must come from the code being measured."""
-    import hashlib
-
     repo = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for path in sorted([*repo.glob("model/*.py"), *repo.glob("export/*.py")]):
@@ -140,7 +132,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
     from model.encoder import build_encoder
     from model.signature import input_names
 
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     cuda = "CUDAExecutionProvider" in ort.get_available_providers()
     on_gpu = options.device == "cuda"
     torch.set_num_threads(threads)
@@ -148,7 +140,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
     settings = mb.SessionSettings(intra_op_threads=threads)
     sessions = {}
     for graph in graphs:
-        if graph not in meta["graphs"]:
+        if graph not in graph_files:
             continue
         providers = mb.CUDA_PROVIDERS if (on_gpu or graph == "fp16") else None
         if graph == "fp16" and not cuda:
@@ -157,7 +149,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
         if graph == "int8" and on_gpu:
             say("int8: skipped on cuda (dynamic quantisation is the CPU variant)")
             continue
-        sessions[graph] = mb.make_session(str(export_dir / meta["graphs"][graph]["file"]), settings, providers)
+        sessions[graph] = mb.make_session(str(export_dir / graph_files[graph].file), settings, providers)
     rows = []
     order = list(input_names(config))
     for batch, length in options.points:
@@ -168,7 +160,7 @@ def bench_model(config: EncoderConfig, export_dir: Path, graphs: tuple, threads:
                                       budget_s=options.budget_s * len(runners))
         for engine, timing in timings.items():
             rows.append(mb.point_row(config, batch, length, engine, timing))
-            say(_row_text(rows[-1]))
+            say(row_text(rows[-1]))
     return rows
 
 
@@ -176,7 +168,7 @@ def tune_sessions(config: EncoderConfig, export_dir: Path, threads: int, point: 
                   say) -> list[dict]:
     """fp32 / optimized / int8 at one point under a few SessionOptions: threads, optimisation level,
     execution mode, spinning."""
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     batch, length = point
     feeds = mb.bench_feeds(config, batch, length)
     candidates = [
@@ -190,9 +182,9 @@ def tune_sessions(config: EncoderConfig, export_dir: Path, threads: int, point: 
     ]
     runners, labels = {}, {}
     for graph in ("fp32", "optimized", "int8"):
-        if graph not in meta["graphs"]:
+        if graph not in graph_files:
             continue
-        path = str(export_dir / meta["graphs"][graph]["file"])
+        path = str(export_dir / graph_files[graph].file)
         for settings in candidates:
             if graph != "fp32" and settings.optimization != "all":
                 continue  # the level matters for the raw graph; the derived ones are fused already
@@ -213,17 +205,17 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     from bench.model_bench import SessionSettings, make_session
     from export.cases import MaskSpec, make_feeds
 
-    meta = json.loads((export_dir / "metadata.json").read_text())
+    graph_files = read_metadata(export_dir).graphs
     vocab = config.vocab_size
     length = min(128, config.max_positions) if not options.quick else min(16, config.max_positions)
     ids = sb.token_ids(vocab, length, seed=1)
     result: dict = {"latency": {}, "throughput": {}, "memory": {}}
 
     # (b) latency, server vs in-process: same graph, same thread count, same session options.
-    graph = options.serve_graph if options.serve_graph in meta["graphs"] else "fp32"
+    graph = options.serve_graph if options.serve_graph in graph_files else "fp32"
     device = ["--device", options.device]
     flags = sb.server_flags(graph, threads, batching=True) + device
-    session = make_session(str(export_dir / meta["graphs"][graph]["file"]), SessionSettings(threads),
+    session = make_session(str(export_dir / graph_files[graph].file), SessionSettings(threads),
                            mb.CUDA_PROVIDERS if options.device == "cuda" else None)
     feeds = make_feeds(config, [length], MaskSpec(), padded_to=length)
     feeds[next(iter(feeds))] = ids[None, :]
@@ -325,125 +317,12 @@ def bench_mixed_lengths(config: EncoderConfig, export_dir: Path, graph: str, thr
     return result
 
 
-def judge(model_rows: list[dict], server: dict | None, matmul: float) -> list[dict]:
-    def ms(engine, b, t):
-        for row in model_rows:
-            if row["engine"] == engine and (row["batch"], row["length"]) == (b, t):
-                return row["median_ms"]
-        return None
-
-    def ratio(a, b):
-        return a / b if a is not None and b is not None and b > 0 else None
-
-    def best_rate(b, t):
-        rates = [r["gflops_per_s"] for r in model_rows
-                 if (r["batch"], r["length"]) == (b, t) and r["engine"] in ("ort-fp32", "ort-optimized")]
-        return max(rates) if rates else None
-
-    values = {
-        "ort_fp32_vs_torch@8x256": ratio(ms("torch-eager", 8, 256), ms("ort-fp32", 8, 256)),
-        "ort_fp32_vs_torch@1x1024": ratio(ms("torch-eager", 1, 1024), ms("ort-fp32", 1, 1024)),
-        "best_fp32_matmul_fraction@8x256": ratio(best_rate(8, 256), matmul),
-        "int8_vs_ort_fp32@8x256": ratio(ms("ort-fp32", 8, 256), ms("ort-int8", 8, 256)),
-    }
-    if server:
-        lat, thr, mem = server.get("latency", {}), server.get("throughput", {}), server.get("memory", {})
-        if "server" in lat and "in_process" in lat:
-            values["server_p50_vs_inprocess@1x128"] = ratio(lat["server"]["p50_ms"], lat["in_process"]["p50_ms"])
-        if "batching_on" in thr and "batching_off" in thr:
-            values["batching_throughput_gain@32x32"] = ratio(thr["batching_on"]["throughput_rps"],
-                                                             thr["batching_off"]["throughput_rps"])
-        values["rss_growth_1k_to_20k"] = mem.get("growth")
-    verdicts = []
-    for key, text, limit, at_least in TARGETS:
-        value = values.get(key)
-        met = None if value is None else (value >= limit if at_least else value <= limit)
-        verdicts.append({"target": key, "description": text, "limit": limit,
-                         "direction": ">=" if at_least else "<=", "value": value, "met": met})
-    return verdicts
-
-
-def _row_text(row: dict) -> str:
-    return (f"{row['engine']:15s} ({row['batch']:>2},{row['length']:>5}) {row['median_ms']:9.2f} ms  "
-            f"{row['gflops_per_s']:7.1f} GFLOP/s  [{row['runs']} runs]")
-
-
-def format_table(report: dict) -> str:
-    matmul = report.get("matmul_gflops_best", report["matmul_gflops"])
-    gpu = f", device cuda ({report['machine'].get('gpu')})" if report.get("device") == "cuda" else ""
-    lines = [f"machine: {report['machine']['cpu']}, {report['machine']['physical_cores']} physical cores{gpu}, "
-             f"threads {report['threads']}; matmul {matmul:.1f} GFLOP/s ({report['matmul_n']}x{report['matmul_n']} "
-             f"fp32, best of before {report['matmul_gflops']:.1f} / after "
-             f"{report.get('matmul_gflops_after', float('nan')):.1f})", "",
-             f"{'engine':15s} {'(B, T)':>10s} {'median ms':>10s} {'GFLOP/s':>8s} {'% matmul':>8s} {'vs torch':>8s}"]
-    torch_ms = {(r["batch"], r["length"]): r["median_ms"] for r in report["model"] if r["engine"] == "torch-eager"}
-    for row in report["model"]:
-        base = torch_ms.get((row["batch"], row["length"]))
-        lines.append(f"{row['engine']:15s} {str((row['batch'], row['length'])):>10s} {row['median_ms']:10.2f} "
-                     f"{row['gflops_per_s']:8.1f} {100 * row['gflops_per_s'] / matmul:7.1f}% "
-                     f"{(base / row['median_ms']) if base else float('nan'):7.2f}x")
-    if report.get("tuning"):
-        lines += ["", f"tuning at {tuple(report['tuning_point'])}:"]
-        lines += [f"  {r['engine']:15s} {r['settings']:52s} {r['median_ms']:9.2f} ms" for r in report["tuning"]]
-    server = report.get("server")
-    if server:
-        for key, title in (("latency", "server defaults (no queue delay)"),
-                           ("latency_queue_delay_2ms", "--max-queue-delay-ms 2")):
-            lat = server.get(key)
-            if not lat:
-                continue
-            lines += ["", f"latency at (1,{lat['point'][1]}), graph {lat['graph']}, {title}:"]
-            for name in ("server", "bare_grpc", "in_process"):
-                if name not in lat:
-                    continue
-                p = lat[name]
-                lines.append(f"  {name:10s} p50 {p['p50_ms']:8.2f}  p90 {p['p90_ms']:8.2f}  "
-                             f"p99 {p['p99_ms']:8.2f} ms (n={p['n']})")
-            if "bare_grpc" in lat:
-                lines.append(f"  (bare_grpc: bench/bare_server.py, gRPC + session.run only: "
-                             f"{lat['bare_grpc']['p50_ms'] / lat['in_process']['p50_ms']:.3f}x in-process at p50)")
-        lines.append("throughput:")
-        for name, t in server["throughput"].items():
-            lines.append(f"  {name:12s} {t['throughput_rps']:8.1f} req/s  mean batch {t['mean_batch_size']:5.1f}  "
-                         f"{t['clients']} clients  {t['requests']} requests  {t['errors']} errors  "
-                         f"RSS idle {t['rss_idle_mb']:.0f} MiB, peak {t['rss_peak_mb']:.0f} MiB")
-        mixed = server.get("mixed_lengths")
-        if mixed:
-            lines.append(f"mixed lengths {min(mixed['lengths'])}-{max(mixed['lengths'])}, "
-                         f"{len(mixed['lengths'])} clients, batching on:")
-            for name, title in (("split", "length-sorted runs"), ("one_run", "one padded run (--length-split false)")):
-                t = mixed[name]
-                lines.append(f"  {title:38s} {t['throughput_rps']:8.1f} req/s  {t['tokens_per_s']:8.0f} tokens/s  "
-                             f"p50 {t['latency']['p50_ms']:7.1f} ms  p99 {t['latency']['p99_ms']:7.1f} ms")
-            if mixed.get("split_gain"):
-                lines.append(f"  length-sorted runs: {mixed['split_gain']:.2f}x the throughput")
-        mem = server.get("memory") or {}
-        if mem:
-            def pct(value):
-                return "n/a" if value is None else f"{100 * value:.2f}%"
-
-            marks = ", ".join(f"{c['requests']} req: {c['rss_mb']:.1f} MiB (peak so far {c.get('peak_mb', 0):.1f})"
-                              for c in mem["checkpoints"])
-            lines.append(f"memory: idle {mem['idle_mb']:.1f} MiB; {marks}; growth of the peak "
-                         f"{pct(mem.get('growth'))}, of point samples {pct(mem.get('growth_point_samples'))}")
-    elif report.get("server_skipped"):
-        lines += ["", f"server: skipped ({report['server_skipped']})"]
-    lines += ["", "targets:"]
-    for v in report["targets"]:
-        value = "n/a" if v["value"] is None else f"{v['value']:.3f}"
-        state = {True: "MET", False: "NOT MET", None: "not measured"}[v["met"]]
-        lines.append(f"  {state:12s} {v['description']}: {value} (target {v['direction']} {v['limit']})")
-    return "\n".join(lines)
-
-
 def run_bench(options: BenchOptions, *, progress=None) -> dict:
     say = progress or (lambda _msg: None)
     started = time.time()
     config = quick_config() if options.quick else EncoderConfig()
     if options.export_dir:  # benchmark the model that export holds, whatever its size
-        from model.config import from_dict
-
-        config = from_dict(json.loads((Path(options.export_dir) / "metadata.json").read_text())["config"])
+        config = read_metadata(options.export_dir).config
     threads = options.threads or physical_cores()
     report: dict = {"format": "encoder-bench/1", "quick": options.quick,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

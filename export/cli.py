@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from model.config import ConfigError, EncoderConfig, from_dict, variants
+from model.export_format import TOKENIZER_FILE
 
 DEFAULT_OUT_DIR = "exports"
 EXIT_BAD_INPUT = 2
@@ -65,14 +66,14 @@ def _parse_overrides(pairs: list[str]) -> dict:
 def _plan(args: argparse.Namespace) -> list[dict]:
     """One dict of export_model keyword arguments per export to write."""
     if args.minilm or args.from_pretrained:
-        from model.checkpoint import load_pretrained, minilm_path
+        from model.hf_bert import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else args.from_pretrained
         pretrained = load_pretrained(directory)
         config = pretrained.config
         if args.name:
             config = config.replace(name=args.name)
-        files = {"tokenizer.json": pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
+        files = {TOKENIZER_FILE: pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
         return [dict(config=config, model=pretrained.encoder, extra_files=files,
                      tokenizer=pretrained.tokenizer_metadata(), pooling=pretrained.pooling)]
     base = EncoderConfig()
@@ -103,7 +104,7 @@ def _plan(args: argparse.Namespace) -> list[dict]:
     return plans
 
 
-def _dims(specs: list[dict]) -> str:
+def _dims(specs) -> str:
     return "; ".join(f"{s['name']}[{','.join(str(d) for d in s['dims'])}]" for s in specs)
 
 
@@ -112,12 +113,12 @@ def format_summary(results) -> str:
     for result in results:
         meta = result.metadata
         for graph in result.graphs:
-            info = meta["graphs"][graph.name]
-            v = info["validation"]
+            info = meta.graphs[graph.name]
+            v = info.validation
             parity = f"{v['metric']} {v['worst']:.2g} <= {v['limit']:g}" if v["metric"] == "max_abs" \
                 else f"{v['metric']} {v['worst']:.6f} >= {v['limit']:g}"
-            rows.append((str(graph.path), f"{info['bytes'] / 1e6:.2f} MB", str(meta["opset"]),
-                         f"ok ({parity}, {v['cases']} cases)", _dims(meta["inputs"]), _dims(meta["outputs"])))
+            rows.append((str(graph.path), f"{info.bytes / 1e6:.2f} MB", str(meta.opset),
+                         f"ok ({parity}, {v['cases']} cases)", _dims(meta.inputs), _dims(meta.outputs)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for r in rows:
@@ -130,9 +131,10 @@ def format_summary(results) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from export.exporter import ExportError, export_model
+    from export.exporter import export_model
     from export.validate import ExportValidationError
     from model.checkpoint import CheckpointError
+    from model.export_format import ExportError
 
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     started = time.perf_counter()

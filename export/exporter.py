@@ -8,7 +8,6 @@ so a failure leaves nothing half-written where the server looks.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -25,12 +24,13 @@ import torch
 from export.cases import MaskSpec, make_feeds, validation_cases
 from export.contract import MAX_IR_VERSION, ExportContract
 from export.graphs import GRAPHS, LONG, resolve
-from export.metadata import build_metadata, write_json_atomic
-from export.validate import ValidationReport, validate
-from model.config import EncoderConfig
 from export.long_graphs import translation_table
+from export.metadata import build_metadata
+from export.validate import ValidationReport, validate
 from model.attention_paths import DENSE, MAX_SEQUENCE, long_path
+from model.config import EncoderConfig
 from model.encoder import Encoder, build_encoder, with_path
+from model.export_format import ExportError, GraphEntry, Metadata, TokenizerEntry, sha256_file, write_metadata
 
 # torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -39,10 +39,6 @@ Progress = Callable[[str], None]
 
 # The sample traced at export (batch 2, length 16): validation uses other shapes on purpose.
 SAMPLE_LENGTHS = [16, 9]
-
-
-class ExportError(Exception):
-    """A bad request to the exporter (unwritable directory, unknown graph variant, ...)."""
 
 
 @dataclass
@@ -56,16 +52,8 @@ class GraphResult:
 @dataclass
 class ExportResult:
     directory: Path
-    metadata: dict
+    metadata: Metadata
     graphs: list[GraphResult]
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def export_onnx(model: Encoder, contract: ExportContract, path: str | Path) -> None:
@@ -134,7 +122,7 @@ def export_model(
     opset: int | None = None,
     graphs: tuple[str, ...] = ("fp32",),
     extra_files: dict[str, Path] | None = None,
-    tokenizer: dict | None = None,
+    tokenizer: TokenizerEntry | None = None,
     pooling: dict | None = None,
     long_length: int = 67,
     progress: Progress | None = None,
@@ -142,8 +130,9 @@ def export_model(
     """Export `model` (default: the seeded encoder for `config`) into `out_dir/config.name/`.
 
     extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
-    Raises ExportError for bad requests and export.validate.ExportValidationError when a graph
-    does not match PyTorch; in both cases nothing is left in out_dir.
+    Raises ExportError (model/export_format.py) for bad requests and
+    export.validate.ExportValidationError when a graph does not match PyTorch; in both cases nothing
+    is left in out_dir.
     """
     say = progress or (lambda _msg: None)
     unknown = [g for g in graphs if g not in GRAPHS and g != LONG]
@@ -185,18 +174,17 @@ def export_model(
             shutil.copyfile(source, staging / name)
         metadata = build_metadata(
             contract,
-            graphs={r.name: {"file": GRAPHS[r.name].file, "sha256": sha256_file(r.path),
-                             "bytes": r.path.stat().st_size,
-                             "ir_version": int(onnx.load(str(r.path), load_external_data=False).ir_version),
-                             "description": GRAPHS[r.name].description,
-                             "attention_path": GRAPHS[r.name].path,
-                             "inputs": [s.as_dict() for s in contracts[r.name].inputs],
-                             "tolerance": GRAPHS[r.name].tolerance, "validation": r.report.as_dict()}
+            graphs={r.name: GraphEntry(
+                        file=GRAPHS[r.name].file, sha256=sha256_file(r.path), bytes=r.path.stat().st_size,
+                        ir_version=int(onnx.load(str(r.path), load_external_data=False).ir_version),
+                        description=GRAPHS[r.name].description, attention_path=GRAPHS[r.name].path,
+                        inputs=tuple(s.as_dict() for s in contracts[r.name].inputs),
+                        tolerance=dict(GRAPHS[r.name].tolerance), validation=r.report.as_dict())
                     for r in results},
             tokenizer=tokenizer,
             pooling=pooling,
         )
-        write_json_atomic(staging / "metadata.json", metadata)
+        write_metadata(staging, metadata)
         staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
         _swap_into_place(staging, target)
     except BaseException:

@@ -7,7 +7,8 @@
 Triton's dims exclude the batch axis when max_batch_size > 0: a symbolic axis ("sequence") becomes
 -1, a fixed one stays (d_model), and a per-row input with no other axis ([batch], the mask choice)
 becomes `dims: [ 1 ]` with `reshape: { shape: [ ] }`, Triton's idiom for a rank-1 batched tensor.
-Only `metadata.json` is read (no onnx, no torch), so this runs anywhere the export directory is.
+Only `metadata.json` is read, through model/export_format.py (no onnx, no torch), so this runs anywhere
+the export directory is.
 
 The model is the same graph the gRPC server runs: the mask choice is an input tensor per row
 (mask_kind, mask_causal, mask_window, mask_step, custom_mask; see docs/export-format.md). Triton's
@@ -16,12 +17,13 @@ dynamic batcher only merges requests whose non-batch dims agree (same padded len
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from model.export_format import METADATA_FILE, ExportError, Metadata, read_metadata
 
 # metadata.json dtype -> Triton model_config DataType name.
 TRITON_DTYPES = {
@@ -110,12 +112,12 @@ def _optimization(options: TritonOptions) -> list[str]:
     ]
 
 
-def triton_config(metadata: dict, model_name: str, options: TritonOptions = TritonOptions()) -> str:
-    """config.pbtxt text for the export described by `metadata` (metadata.json, parsed)."""
-    inputs = ",\n".join(_tensor_block("input", s) for s in metadata["inputs"])
-    outputs = ",\n".join(_tensor_block("output", s) for s in metadata["outputs"])
+def triton_config(metadata: Metadata, model_name: str, options: TritonOptions = TritonOptions()) -> str:
+    """config.pbtxt text for the export described by `metadata` (model/export_format.py)."""
+    inputs = ",\n".join(_tensor_block("input", s) for s in metadata.inputs)
+    outputs = ",\n".join(_tensor_block("output", s) for s in metadata.outputs)
     lines = [
-        f"# Written by export/triton.py from {metadata.get('format', '?')} export {metadata.get('name', '?')!r}.",
+        f"# Written by export/triton.py from {metadata.format} export {metadata.name!r}.",
         f'name: "{model_name}"',
         'platform: "onnxruntime_onnx"',
         f"max_batch_size: {options.max_batch_size}",
@@ -158,16 +160,16 @@ def write_triton_repo(
     if version < 1:
         raise TritonRepoError(f"version must be >= 1, got {version}")
     try:
-        metadata = json.loads((export_dir / "metadata.json").read_text())
-    except (OSError, ValueError) as exc:
+        metadata = read_metadata(export_dir)
+    except ExportError as exc:
         raise TritonRepoError(f"{export_dir} is not an export directory: {exc}") from None
-    graphs = metadata.get("graphs", {})
-    if graph not in graphs:
-        raise TritonRepoError(f"graph {graph!r} not in {export_dir}/metadata.json (has: {', '.join(graphs)})")
-    source = export_dir / graphs[graph]["file"]
+    if graph not in metadata.graphs:
+        raise TritonRepoError(f"graph {graph!r} not in {export_dir / METADATA_FILE} "
+                              f"(has: {', '.join(metadata.graphs)})")
+    source = export_dir / metadata.graphs[graph].file
     if not source.is_file():
         raise TritonRepoError(f"{source} is missing")
-    model_name = model_name or metadata["name"]
+    model_name = model_name or metadata.name
     config_text = triton_config(metadata, model_name, options)
 
     repo_dir = Path(repo_dir)
@@ -177,7 +179,7 @@ def write_triton_repo(
     try:
         (staging / str(version)).mkdir()
         shutil.copyfile(source, staging / str(version) / "model.onnx")
-        shutil.copyfile(export_dir / "metadata.json", staging / "metadata.json")
+        shutil.copyfile(export_dir / METADATA_FILE, staging / METADATA_FILE)
         (staging / "config.pbtxt").write_text(config_text)
         staging.chmod(0o755)
         if target.exists():

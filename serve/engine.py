@@ -123,8 +123,8 @@ class Engine:
             sha256=self.export.sha256,
             config_json=to_json(config),
             opset=self.export.opset,
-            inputs=tuple(meta.get("inputs", ())),
-            outputs=tuple(meta.get("outputs", ())),
+            inputs=meta.inputs,
+            outputs=meta.outputs,
             mask_kinds=tuple(k.label for k in MaskKind),
             limits={
                 "max_sequences_per_request": s.max_sequences_per_request,

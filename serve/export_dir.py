@@ -1,38 +1,38 @@
-"""Reads an export directory (docs/export-format.md): metadata.json, graph hashes, the config.
-
-Refuses what it cannot serve with a message that says what to do.
+"""The export directory as the server sees it: which graphs it serves, read through model/export_format.py
+(metadata.json, graph hashes, the config). Refuses what it cannot serve with a message that says what
+to do, as an `ExportError` that is also a `BackendError` (serve/errors.py maps it at the edge).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from model import export_format
 from model.attention_paths import DENSE, PATHS
-from model.config import ConfigError, EncoderConfig, from_dict
-from model.mask_kinds import MaskKind
+from model.config import EncoderConfig
+from model.export_format import FORMAT, METADATA_FILE, Metadata
 from serve.errors import BackendError
 
-FORMAT = "onnx-encoder-export/1"
 
-
-class ExportError(BackendError):
-    """The export directory is missing, malformed, or does not match its metadata."""
+class ExportError(export_format.ExportError, BackendError):
+    """The format's ExportError (model/export_format.py), raised where the server reads an export."""
 
 
 @dataclass(frozen=True)
 class ExportDir:
     path: Path
-    metadata: dict[str, Any]
-    config: EncoderConfig
+    metadata: Metadata
     graph: str  # the "graphs" key served
     graph_path: Path
     sha256: str
     # the long-input graphs served beside it: attention path -> file (model/attention_paths.py)
     long_graphs: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def config(self) -> EncoderConfig:
+        return self.metadata.config
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -41,90 +41,66 @@ class ExportDir:
 
     @property
     def name(self) -> str:
-        return str(self.metadata.get("name") or self.config.name)
+        return self.metadata.name
 
     @property
     def version(self) -> str:
-        return f"{self.metadata.get('format', FORMAT)}@{self.metadata.get('created', 'unknown')}"
+        return f"{self.metadata.format or FORMAT}@{self.metadata.created}"
 
     @property
     def opset(self) -> int:
-        return int(self.metadata.get("opset", 0))
+        return self.metadata.opset
 
     @property
     def has_tokenizer(self) -> bool:
-        return bool(self.metadata.get("tokenizer"))
+        return self.metadata.tokenizer is not None
 
     @property
     def default_pooling(self) -> str:
-        """none | mean | first; metadata.json says "cls" for [CLS] pooling (model.checkpoint.pooling_settings)."""
-        mode = str((self.metadata.get("pooling") or {}).get("mode", "mean"))
+        """none | mean | first; metadata.json says "cls" for [CLS] pooling (model.hf_bert.pooling_settings)."""
+        mode = str(self.metadata.pooling.get("mode", "mean"))
         return "first" if mode == "cls" else mode
 
     @property
     def default_normalize(self) -> bool:
-        return bool((self.metadata.get("pooling") or {}).get("normalize", False))
+        return bool(self.metadata.pooling.get("normalize", False))
+
+    def tokenizer_file(self) -> Path | None:
+        """tokenizer.json after checking its sha256, or None when the export has none."""
+        with _served():
+            return self.metadata.tokenizer_file(self.path)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+@contextmanager
+def _served():
+    """The format's ExportError, re-raised as the server's (a BackendError)."""
+    try:
+        yield
+    except ExportError:
+        raise
+    except export_format.ExportError as error:
+        raise ExportError(str(error)) from None
 
 
 def load_export(path: str | Path, graph: str = "fp32", *, verify: bool = True,
                 auto: tuple[str, ...] = ("optimized",), long_paths: bool = True) -> ExportDir:
-    root = Path(path)
-    meta_path = root / "metadata.json"
-    if not meta_path.is_file():
-        raise ExportError(f"{meta_path} not found: run `python -m export` first, or pass --export-dir")
-    try:
-        metadata = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ExportError(f"{meta_path}: not valid JSON ({error})") from None
-    if metadata.get("format") != FORMAT:
-        raise ExportError(f"{meta_path}: format {metadata.get('format')!r}, this server reads {FORMAT!r}")
-    try:
-        config = from_dict(metadata["config"])
-    except (KeyError, ConfigError, TypeError, ValueError) as error:
-        raise ExportError(f"{meta_path}: bad 'config': {error}") from None
-    declared = metadata.get("mask_kinds")
-    ours = {kind.label: int(kind) for kind in MaskKind}
-    if declared is not None and declared != ours:
-        raise ExportError(f"{meta_path}: mask_kinds {declared} differ from this server's {ours}")
-    graphs = metadata.get("graphs") or {}
+    with _served():
+        return _load(Path(path), graph, verify, auto, long_paths)
+
+
+def _load(root: Path, graph: str, verify: bool, auto: tuple[str, ...], long_paths: bool) -> ExportDir:
+    metadata = export_format.read_metadata(root)
+    graphs = metadata.graphs
     if graph == "auto":  # the first of `auto` the export has, else fp32
         graph = next((name for name in auto if name in graphs), "fp32")
-    if graph not in graphs:
-        raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(graphs) or 'none'}")
-    if graphs[graph].get("attention_path", DENSE) != DENSE:
-        raise ExportError(f"{meta_path}: graph {graph!r} serves only some mask kinds; choose a dense graph "
-                          f"({', '.join(n for n, e in graphs.items() if e.get('attention_path', DENSE) == DENSE)}); "
+    if graph in graphs and graphs[graph].attention_path != DENSE:
+        raise ExportError(f"{root / METADATA_FILE}: graph {graph!r} serves only some mask kinds; choose a dense "
+                          f"graph ({', '.join(n for n, e in graphs.items() if e.attention_path == DENSE)}); "
                           "long-input graphs are served beside it (--long-paths)")
-    graph_path, actual = _checked_graph(root, meta_path, graph, graphs[graph], verify)
+    graph_path, actual = metadata.graph_file(root, graph, verify=verify)
     long_graphs = tuple(
-        (entry["attention_path"], _checked_graph(root, meta_path, name, entry, verify)[0])
+        (entry.attention_path, metadata.graph_file(root, name, verify=verify)[0])
         for name, entry in graphs.items()
-        if long_paths and entry.get("attention_path", DENSE) in PATHS and entry["attention_path"] != DENSE
+        if long_paths and entry.attention_path in PATHS and entry.attention_path != DENSE
     )
-    return ExportDir(root, metadata, config, graph, graph_path, actual, long_graphs)
-
-
-def _checked_graph(root: Path, meta_path: Path, graph: str, entry: dict, verify: bool) -> tuple[Path, str]:
-    """The graph file of a metadata.json "graphs" entry and its sha256, checked against the entry."""
-    graph_path = root / entry["file"]
-    if not graph_path.is_file():
-        raise ExportError(f"{graph_path} not found (listed in {meta_path} as graph {graph!r})")
-    validation = entry.get("validation") or {}
-    if validation.get("passed") is False:
-        raise ExportError(f"{meta_path}: graph {graph!r} failed validation at export; refusing to serve it")
-    expected = str(entry.get("sha256", ""))
-    actual = file_sha256(graph_path) if verify or not expected else expected
-    if verify and actual != expected:
-        raise ExportError(
-            f"{graph_path}: sha256 {actual} does not match metadata.json ({expected or 'missing'}); "
-            "the graph changed after export — re-run `python -m export`"
-        )
-    return graph_path, actual
+    return ExportDir(root, metadata, graph, graph_path, actual, long_graphs)

@@ -22,7 +22,7 @@ import numpy as np
 from model.config import EncoderConfig
 from model.text import TokenizerError, read_tokenizer
 from serve.errors import ValidationError
-from serve.export_dir import ExportDir, ExportError, file_sha256
+from serve.export_dir import ExportDir, ExportError
 
 
 class TextTokenizer:
@@ -58,26 +58,10 @@ class TextTokenizer:
     @classmethod
     def from_export(cls, export: ExportDir) -> "TextTokenizer | None":
         """The export's tokenizer after checking its sha256, or None when the export has none."""
-        meta = export.metadata.get("tokenizer")
-        if not meta:
+        path = export.tokenizer_file()
+        if path is None:
             return None
-        try:
-            path = export.path / str(meta["file"])
-            expected, max_length = str(meta["sha256"]), int(meta["max_length"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ExportError(
-                f"{export.path / 'metadata.json'}: bad 'tokenizer' entry {meta!r} "
-                f"(needs file, sha256, max_length): {error}"
-            ) from None
-        if not path.is_file():
-            raise ExportError(f"{path} not found (listed in metadata.json as the tokenizer)")
-        actual = file_sha256(path)
-        if actual != expected:
-            raise ExportError(
-                f"{path}: sha256 {actual} does not match metadata.json ({expected}); "
-                "the tokenizer changed after export — re-run `python -m export`"
-            )
-        return cls(path, max_length, export.config)
+        return cls(path, export.metadata.tokenizer.max_length, export.config)
 
     def encode(self, texts: Sequence[str], *, truncate: bool = False, chunk: bool = False
                ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...], tuple[int, ...]]:

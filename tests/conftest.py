@@ -174,12 +174,12 @@ def pytorch_reference(export_dir: Path):
     import numpy as np
     import torch
 
-    from model.config import from_dict
     from model.encoder import build_encoder
+    from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
     from model.masks import default_mask_inputs
 
-    config = from_dict(json.loads((export_dir / "metadata.json").read_text())["config"])
+    config = read_metadata(export_dir).config
     model = build_encoder(config)
 
     def reference(ids, kind=MaskKind.BIDIRECTIONAL, *, window=0, step=1, causal=False, custom=None):

@@ -1,4 +1,4 @@
-"""Loading checkpoints into the reference encoder (model/checkpoint.py).
+"""Loading checkpoints into the reference encoder (model/checkpoint.py, model/hf_bert.py).
 
 The packaged all-MiniLM-L6-v2 is checked against transformers.BertModel (hidden states) and
 sentence-transformers (pooled, normalised embeddings); those two are test-only references.
@@ -16,15 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.checkpoint import (
-    CheckpointError,
-    encoder_config_from_hf,
-    load_pretrained,
-    load_state_dict_file,
-    minilm_path,
-    save_state_dict_file,
-    tokenize,
-)
+from model.checkpoint import CheckpointError, load_state_dict_file, save_state_dict_file
+from model.hf_bert import encoder_config_from_hf, load_pretrained, minilm_path, tokenize
 from model.config import EncoderConfig
 from model.encoder import build_encoder
 from model.masks import default_mask_inputs
@@ -120,7 +113,7 @@ def test_packaged_minilm_loads_as_bert_config_with_st_settings(minilm):
 def test_minilm_tokenizer_metadata_records_hash_and_max_length(minilm):
     import hashlib
 
-    meta = minilm.tokenizer_metadata()
+    meta = minilm.tokenizer_metadata().as_dict()
     assert meta == {"file": "tokenizer.json", "max_length": 256,
                     "sha256": hashlib.sha256(minilm.tokenizer_file.read_bytes()).hexdigest()}
 

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
 from serve.client import EncoderClient
 from tests.concurrency import call_concurrently
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 )]
 
 CUDA = "CUDAExecutionProvider"
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 FP16_MIN_COSINE = 0.9999  # the fp16 graph's export tolerance (export/graphs.py)
 LENGTHS = [5, 17, 1, 40]
 MASKS = [
@@ -162,10 +163,10 @@ def test_sparse_graph_on_cuda_equals_pytorch(serve_long_export_dir, options):
     from export.contract import ExportContract
     from export.validate import reference_outputs
     from model.attention_paths import SPARSE
-    from model.config import from_dict
     from model.encoder import build_encoder
+    from model.export_format import read_metadata
 
-    config = from_dict(json.loads((serve_long_export_dir / "metadata.json").read_text())["config"])
+    config = read_metadata(serve_long_export_dir).config
     session = ort.InferenceSession(str(serve_long_export_dir / "model.sparse.onnx"),
                                    providers=[(CUDA, {"use_tf32": "0"})])
     assert session.get_providers()[0] == CUDA

@@ -31,6 +31,7 @@ import uuid
 import numpy as np
 import pytest
 
+from export.contract import FP32_TOLERANCE
 from tests.docker_env import DOCKER, ensure_engine, free_port, run
 
 pytestmark = [
@@ -41,7 +42,7 @@ pytestmark = [
 
 REPLICAS = 3
 REQUESTS = 60  # per traffic round; bounded
-REF_ATOL = 1e-4  # the export's fp32 tolerance vs PyTorch
+REF_ATOL = FP32_TOLERANCE["limit"]  # the export's fp32 tolerance vs PyTorch
 DEADLINE_S = 120  # for any state to be reached (health, ejection, return)
 
 

@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from export.contract import FP32_TOLERANCE
 from tests.docker_env import DOCKER, REPO, ensure_engine, free_port as _free_port, image_size as _image_size
 from tests.docker_env import run as _run
 
-REF_ATOL = 1e-4  # the export's fp32 tolerance vs PyTorch
+REF_ATOL = FP32_TOLERANCE["limit"]  # the export's fp32 tolerance vs PyTorch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

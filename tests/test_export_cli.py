@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from export.cli import EXIT_BAD_INPUT, EXIT_VALIDATION_FAILED, build_parser, main
+from export.contract import FP32_TOLERANCE
 from export.graphs import GRAPHS, GraphVariant
 from model.config import EncoderConfig
 
@@ -128,7 +129,7 @@ def _perturbed(src: str, dst: str, config) -> None:
 
 def test_a_graph_that_fails_parity_fails_the_export_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(GRAPHS, "perturbed", GraphVariant("perturbed", "model.perturbed.onnx",
-                                                          {"metric": "max_abs", "limit": 1e-4}, _perturbed))
+                                                          dict(FP32_TOLERANCE), _perturbed))
     out = tmp_path / "out"
     code = main(["--out-dir", str(out), "--graphs", "fp32,perturbed", "--quiet", *SMALL])
     assert code == EXIT_VALIDATION_FAILED
@@ -145,7 +146,7 @@ def test_failed_export_keeps_the_previous_export_intact(tmp_path, capsys, monkey
     for f in previous.iterdir():
         (out / "default" / f.name).write_bytes(f.read_bytes())
     monkeypatch.setitem(GRAPHS, "perturbed", GraphVariant("perturbed", "model.perturbed.onnx",
-                                                          {"metric": "max_abs", "limit": 1e-4}, _perturbed))
+                                                          dict(FP32_TOLERANCE), _perturbed))
     assert main(["--out-dir", str(out), "--graphs", "perturbed", "--quiet", *SMALL]) == EXIT_VALIDATION_FAILED
     assert sorted(p.name for p in out.iterdir()) == ["default"]
     assert (out / "default" / "metadata.json").read_bytes() == (previous / "metadata.json").read_bytes()

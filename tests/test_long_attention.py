@@ -4,7 +4,6 @@ sequence-sized axes. The graphs are the real exported files, run in real ONNX Ru
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import onnx
@@ -18,8 +17,8 @@ from export.contract import FP32_TOLERANCE, ExportContract
 from export.exporter import export_onnx
 from export.validate import reference_outputs
 from model.attention_paths import DENSE, LINEAR, SPARSE, RowMask, cheapest, score_elements
-from model.config import from_dict
 from model.encoder import build_encoder
+from model.export_format import read_metadata
 from model.mask_kinds import MaskKind
 
 ATOL = FP32_TOLERANCE["limit"]
@@ -54,9 +53,9 @@ def long_graphs(tmp_path_factory, tiny_config, serve_long_export_dir):
     """The tiny config's sparse graph (through export_model, so validated at export too), and the sparse
     graph of length scaling + pre-norm, linear and performer graphs (through export_onnx)."""
     out = tmp_path_factory.mktemp("long")
-    metadata = json.loads((serve_long_export_dir / "metadata.json").read_text())
-    assert metadata["graphs"]["sparse"]["attention_path"] == SPARSE
-    graphs = {"sparse": LongGraph(from_dict(metadata["config"]), SPARSE, serve_long_export_dir / "model.sparse.onnx")}
+    metadata = read_metadata(serve_long_export_dir)
+    assert metadata.graphs["sparse"].attention_path == SPARSE
+    graphs = {"sparse": LongGraph(metadata.config, SPARSE, serve_long_export_dir / "model.sparse.onnx")}
     for name, change, path in (
         ("sparse-length-prenorm", dict(scaling="length", norm_placement="pre"), SPARSE),
         ("linear", dict(attention="linear"), LINEAR),

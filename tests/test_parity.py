@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
-from export.contract import ExportContract
+from export.contract import FP32_TOLERANCE, ExportContract
 from export.validate import reference_outputs
-from model.config import ACTIVATIONS, ATTENTION_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITIONALS, from_dict
+from model.config import ACTIVATIONS, ATTENTION_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITIONALS
 from model.encoder import build_encoder
 from model.mask_kinds import MaskKind
 
-ATOL = 1e-4  # max |PyTorch - ONNX Runtime| on hidden states and pooled vectors
+ATOL = FP32_TOLERANCE["limit"]  # max |PyTorch - ONNX Runtime| on hidden states and pooled vectors
 from tests.conftest import PARITY_CONFIGS
 
 VARIANTS = list(PARITY_CONFIGS)
@@ -27,7 +27,7 @@ SHAPES = [[1], [13, 2, 7], [31, 3, 17, 29, 1, 23, 11, 0], [521, 509]]
 
 class Loaded:
     def __init__(self, result):
-        self.config = from_dict(result.metadata["config"])
+        self.config = result.metadata.config
         self.path = str(result.directory / "model.onnx")
         self.session = ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
         self.model = build_encoder(self.config)

@@ -17,9 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from export.contract import FP32_TOLERANCE
 from serve.errors import MAX_MESSAGE_BYTES
 from serve.pb import pb
 from tests.reliability_common import count
+
+ATOL = FP32_TOLERANCE["limit"]
 
 ENCODE = "/encoder.v1.EncoderService/Encode"
 MAX_SEQUENCES = 4
@@ -182,7 +185,7 @@ def _healthy_and_correct(servers, expected, model: str) -> None:
         code, details, response = _raw(channels[model], req(ids(CHECK_IDS)))
         assert code == grpc.StatusCode.OK, details
         got = np.frombuffer(response.results[0].embedding.data, "<f4")
-        np.testing.assert_allclose(got, expected["tokens"], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got, expected["tokens"], atol=ATOL, rtol=ATOL)
     else:
         x = np.linspace(-1, 1, 5 * FEATURES_D, dtype=np.float32).reshape(5, FEATURES_D)
         code, details, response = _raw(channels[model], req(features(x)))
@@ -219,7 +222,7 @@ def test_a_bad_item_in_a_stream_is_answered_in_place_and_the_stream_goes_on(serv
     assert [a.error.code for a in answers] == [0, INVALID.value[0], INVALID.value[0], 0]
     assert "token id 999" in answers[1].error.message and "mask.kind" in answers[2].error.message
     got = np.frombuffer(answers[3].response.results[0].embedding.data, "<f4")
-    np.testing.assert_allclose(got, expected["tokens"], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(got, expected["tokens"], atol=ATOL, rtol=ATOL)
     count(bad_inputs_tried=2)
 
 

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from export.contract import FP32_TOLERANCE
 from serve.client import EncoderClient, build_request, parse_response
 from serve.pb import pb_grpc
 from tests.reliability_common import InProcessServer, corrupt_export, count, wait_until
 from tests.subprocess_env import REPO, repo_env
 
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 POISON = 99
 
 

@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
 from serve.client import build_request, parse_response
 from serve.pb import pb, pb_grpc
 from tests.reliability_common import LATENCY, count
 
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "6"))
 THREADS = int(os.environ.get("SOAK_THREADS", "12"))
 MAX_REQUESTS = int(os.environ.get("SOAK_MAX_REQUESTS", "0")) or None  # optional cap on top of time

@@ -17,11 +17,12 @@ import grpc
 import numpy as np
 import pytest
 
+from export.contract import FP32_TOLERANCE
 from serve.client import EncoderClient, build_request, parse_response
 from serve.pb import pb_grpc
 from tests.reliability_common import InProcessServer, copy_with_new_graph_bytes, corrupt_export, count, wait_until
 
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 
 
 def _sha(export_dir: Path) -> str:

@@ -11,13 +11,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
 from serve.client import EncoderClient, build_request
 from serve.pb import pb
 from serve.tensors import from_numpy
 from tests.concurrency import call_concurrently
 
-ATOL = 1e-4
+ATOL = FP32_TOLERANCE["limit"]
 MAX_REQUEST_BYTES = 65536
 MAX_SEQUENCES = 8
 LENGTHS = [5, 17, 1, 40]

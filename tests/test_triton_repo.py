@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from export.triton import TritonRepoError, triton_config, write_triton_repo
+from model.export_format import Metadata, read_metadata
 
 onnx = pytest.importorskip("onnx")
 # tritonclient is a dev dependency (tritonclient[grpc]==2.73.0); its model_config.proto is Triton's own.
@@ -81,13 +81,12 @@ def test_accelerator_choice_cuda_or_none(tiny_export, tmp_path, accelerator, exp
 
 
 def test_cpu_instances_get_no_gpu_accelerator(tiny_export):
-    metadata = json.loads((tiny_export / "metadata.json").read_text())
-    config = text_format.Parse(triton_config_cpu(metadata), model_config_pb2.ModelConfig())
+    config = text_format.Parse(triton_config_cpu(read_metadata(tiny_export)), model_config_pb2.ModelConfig())
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert not config.HasField("optimization")
 
 
-def triton_config_cpu(metadata: dict) -> str:
+def triton_config_cpu(metadata: Metadata) -> str:
     from export.triton import TritonOptions
 
     return triton_config(metadata, "tiny_cpu", TritonOptions(instance_kind="KIND_CPU"))

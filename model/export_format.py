@@ -1,0 +1,222 @@
+"""The export directory format (docs/export-format.md): its version, its layout, metadata.json's schema,
+and the one reader. The exporter writes through this module; the server, the bench and the Triton
+writer read through it. No torch: the server imports it.
+
+    <export>/metadata.json      `Metadata`, written last (the exporter renames the directory into place)
+    <export>/model*.onnx        one file per `GraphEntry` (the names: export/graphs.py)
+    <export>/tokenizer.json     `TokenizerEntry`, only for checkpoints with a tokenizer
+
+`read_metadata` parses and checks metadata.json; `Metadata.graph_file` checks a graph's sha256.
+Every refusal is an `ExportError` whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.attention_paths import DENSE
+from model.config import ConfigError, EncoderConfig, from_dict, to_dict
+from model.mask_kinds import MaskKind
+
+FORMAT = "onnx-encoder-export/1"
+METADATA_FILE = "metadata.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ExportError(Exception):
+    """An export that cannot be written or read as this format says (missing, malformed, changed
+    after export, or a bad request to the exporter)."""
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def checked_sha256(path: Path, expected: str, what: str) -> str:
+    """`path`'s sha256, which must equal `expected` (metadata.json's); `what` names the file's role."""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ExportError(
+            f"{path}: sha256 {actual} does not match {METADATA_FILE} ({expected or 'missing'}); "
+            f"the {what} changed after export — re-run `python -m export`"
+        )
+    return actual
+
+
+def mask_kinds() -> dict[str, int]:
+    """metadata.json's "mask_kinds": label -> the code the graph's `mask_kind` input takes."""
+    return {kind.label: int(kind) for kind in MaskKind}
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One metadata.json "graphs" entry: a graph file and how it was checked at export."""
+
+    file: str
+    sha256: str = ""
+    bytes: int = 0
+    ir_version: int = 0
+    description: str = ""
+    attention_path: str = DENSE  # model/attention_paths.py
+    inputs: tuple[dict, ...] = ()  # this graph's inputs: {"name", "dtype", "dims"}
+    tolerance: dict = field(default_factory=dict)  # {"metric", "limit"}
+    validation: dict = field(default_factory=dict)  # export/validate.py ValidationReport.as_dict()
+
+    @property
+    def passed(self) -> bool:
+        """False only when the export recorded a failed validation."""
+        return self.validation.get("passed") is not False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "ir_version": self.ir_version,
+                "description": self.description, "attention_path": self.attention_path,
+                "inputs": [dict(spec) for spec in self.inputs], "tolerance": dict(self.tolerance),
+                "validation": dict(self.validation)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GraphEntry":
+        return cls(file=str(data["file"]), sha256=str(data.get("sha256", "")), bytes=int(data.get("bytes", 0)),
+                   ir_version=int(data.get("ir_version", 0)), description=str(data.get("description", "")),
+                   attention_path=str(data.get("attention_path", DENSE)),
+                   inputs=tuple(data.get("inputs") or ()), tolerance=dict(data.get("tolerance") or {}),
+                   validation=dict(data.get("validation") or {}))
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    """metadata.json's "tokenizer": the file, its sha256, and the length texts are cut or refused at."""
+
+    file: str
+    sha256: str
+    max_length: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "max_length": self.max_length}
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """metadata.json, field by field, in the order it is written."""
+
+    name: str
+    config: EncoderConfig
+    opset: int
+    inputs: tuple[dict, ...]  # {"name", "dtype", "dims"}; a str dim is symbolic
+    outputs: tuple[dict, ...]
+    graphs: dict[str, GraphEntry]
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = "unknown"
+    tokenizer: TokenizerEntry | None = None
+    pooling: dict = field(default_factory=lambda: {"mode": "mean", "normalize": False})
+    mask_kinds: dict[str, int] = field(default_factory=mask_kinds)
+    format: str = FORMAT
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "name": self.name,
+            "config": to_dict(self.config),
+            "opset": self.opset,
+            "inputs": [dict(spec) for spec in self.inputs],
+            "outputs": [dict(spec) for spec in self.outputs],
+            "mask_kinds": dict(self.mask_kinds),
+            "graphs": {name: entry.as_dict() for name, entry in self.graphs.items()},
+            "versions": dict(self.versions),
+            "created": self.created,
+            "tokenizer": self.tokenizer.as_dict() if self.tokenizer else None,
+            "pooling": dict(self.pooling),
+        }
+
+    def graph_file(self, root: str | Path, graph: str, *, verify: bool = True) -> tuple[Path, str]:
+        """The file of graph `graph` under `root` and its sha256: recomputed and checked against the
+        entry when `verify`, else the recorded one. Refuses a missing file or a failed validation."""
+        meta_path = Path(root) / METADATA_FILE
+        if graph not in self.graphs:
+            raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(self.graphs) or 'none'}")
+        entry = self.graphs[graph]
+        path = Path(root) / entry.file
+        if not path.is_file():
+            raise ExportError(f"{path} not found (listed in {meta_path} as graph {graph!r})")
+        if not entry.passed:
+            raise ExportError(f"{meta_path}: graph {graph!r} failed validation at export; refusing to serve it")
+        if not verify:
+            return path, entry.sha256 or sha256_file(path)
+        return path, checked_sha256(path, entry.sha256, "graph")
+
+    def tokenizer_file(self, root: str | Path) -> Path | None:
+        """tokenizer.json under `root` after checking its sha256; None when the export has none."""
+        if self.tokenizer is None:
+            return None
+        path = Path(root) / self.tokenizer.file
+        if not path.is_file():
+            raise ExportError(f"{path} not found (listed in {METADATA_FILE} as the tokenizer)")
+        checked_sha256(path, self.tokenizer.sha256, "tokenizer")
+        return path
+
+
+def metadata_from_dict(data: dict, where: str | Path = METADATA_FILE) -> Metadata:
+    """Checks and parses metadata.json's content; `where` names it in errors."""
+    if not isinstance(data, dict):
+        raise ExportError(f"{where}: not a JSON object")
+    if data.get("format") != FORMAT:
+        raise ExportError(f"{where}: format {data.get('format')!r}, this code reads {FORMAT!r}")
+    try:
+        config = from_dict(data["config"])
+    except (KeyError, ConfigError, TypeError, ValueError) as error:
+        raise ExportError(f"{where}: bad 'config': {error}") from None
+    declared = data.get("mask_kinds")
+    if declared is not None and declared != mask_kinds():
+        raise ExportError(f"{where}: mask_kinds {declared} differ from this code's {mask_kinds()}")
+    try:
+        graphs = {str(name): GraphEntry.from_dict(entry) for name, entry in (data.get("graphs") or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ExportError(f"{where}: bad 'graphs' entry (needs file, sha256): {error!r}") from None
+    tokenizer = data.get("tokenizer")
+    if tokenizer:
+        try:
+            tokenizer = TokenizerEntry(str(tokenizer["file"]), str(tokenizer["sha256"]), int(tokenizer["max_length"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ExportError(f"{where}: bad 'tokenizer' entry {tokenizer!r} "
+                              f"(needs file, sha256, max_length): {error}") from None
+    return Metadata(
+        name=str(data.get("name") or config.name), config=config, opset=int(data.get("opset", 0)),
+        inputs=tuple(data.get("inputs") or ()), outputs=tuple(data.get("outputs") or ()), graphs=graphs,
+        versions=dict(data.get("versions") or {}), created=str(data.get("created", "unknown")),
+        tokenizer=tokenizer or None, pooling=dict(data.get("pooling") or {"mode": "mean", "normalize": False}),
+        mask_kinds=dict(declared) if declared is not None else mask_kinds(),
+    )
+
+
+def read_metadata(root: str | Path) -> Metadata:
+    """metadata.json of the export directory `root`, parsed and checked (graph hashes: `graph_file`)."""
+    meta_path = Path(root) / METADATA_FILE
+    if not meta_path.is_file():
+        raise ExportError(f"{meta_path} not found: run `python -m export` first, or pass --export-dir")
+    try:
+        data = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ExportError(f"{meta_path}: not valid JSON ({error})") from None
+    return metadata_from_dict(data, meta_path)
+
+
+def write_metadata(root: str | Path, metadata: Metadata) -> Path:
+    """Writes `root`/metadata.json atomically (a temporary file in `root`, then a rename)."""
+    path = Path(root) / METADATA_FILE
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(metadata.as_dict(), handle, indent=2, sort_keys=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
