@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from model.mask_kinds import MaskKind
 from model.masks import build_allowed
 
 
@@ -67,5 +66,3 @@ def linear_attention(
 def _(fq, fk, v, attention_mask, mask_kind):
     return torch.empty_like(v)
 
-
-__all__ = ["MaskKind", "linear_attention", "sparse_softmax_attention"]

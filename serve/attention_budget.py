@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from model.attention_paths import DENSE, MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
+from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve.core import Row
@@ -103,5 +103,3 @@ class AttentionBudget:
             low, high = (mid, high) if fits(mid) else (low, mid - 1)
         return low
 
-
-__all__ = ["AttentionBudget", "DENSE", "default_budget"]
