@@ -84,11 +84,11 @@ class GatedServer:
             backend = default_backend(export, config)
             real_encode = backend.encode
 
-            def encode(batch):
+            def encode(*args, **kwargs):
                 if self._armed.is_set():
                     self.entered.set()
                     self.release.wait(30)
-                return real_encode(batch)
+                return real_encode(*args, **kwargs)
 
             backend.encode = encode
             return backend
