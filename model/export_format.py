@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,9 +207,12 @@ def read_metadata(root: str | Path) -> Metadata:
 
 
 def write_metadata(root: str | Path, metadata: Metadata) -> Path:
-    """Writes `root`/metadata.json atomically (a temporary file in `root`, then a rename)."""
+    """Writes `root`/metadata.json atomically (a temporary file in `root`, then a rename), with the mode
+    a plain open() gives (0644 under umask 022), not mkstemp's 0600: a server running as another user
+    (the non-root container user, on a bind-mounted host export) must read it."""
     path = Path(root) / METADATA_FILE
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(metadata.as_dict(), handle, indent=2, sort_keys=False)

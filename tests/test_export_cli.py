@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +71,36 @@ def test_metadata_records_config_contract_versions_and_hash(written):
     assert validation["limit"] == 1e-4 and 0 <= validation["worst"] <= validation["limit"]
     assert validation["passed"] is True
     assert {"torch", "onnx", "onnxruntime"} <= set(meta["versions"])
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_every_exported_file_gets_the_mode_a_plain_open_gives(written):
+    """Not mkstemp's 0600: a server running as another user (the image's uid 10001, on a bind-mounted
+    host export) must read metadata.json and the graphs. The export ran with this process's umask."""
+    directory = written[0] / "default"
+    expected = 0o666 & ~_umask()
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in directory.iterdir()}
+    assert "metadata.json" in modes and modes == dict.fromkeys(modes, expected), (oct(expected), modes)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_metadata_is_written_readable_by_others_unless_the_umask_says_otherwise(written, tmp_path, umask, mode):
+    from model.export_format import read_metadata, write_metadata
+
+    metadata = read_metadata(written[0] / "default")
+    previous = os.umask(umask)
+    try:
+        path = write_metadata(tmp_path, metadata)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert [p.name for p in tmp_path.iterdir()] == ["metadata.json"]  # no temporary file left beside it
 
 
 def test_nothing_but_the_export_is_left_in_the_output_directory(written):
