@@ -86,16 +86,17 @@ class EncoderServer:
         pb_grpc.add_EncoderServiceServicer_to_server(
             EncoderServicer(self.admit, self.metrics, config.max_request_bytes), self.grpc)
         # --- KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md) ---
-        from serve.kserve import add_kserve_to_server
+        from serve import kserve
 
-        add_kserve_to_server(self.admit, self.metrics, self.grpc)
+        kserve.add_kserve_to_server(self.admit, self.metrics, self.grpc)
         # --- end KServe v2 ---
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if config.admin:  # ReloadModel (serve/reload.py); SIGHUP reloads without it
             add_admin_to_server(self, self.grpc)
             services.append(ADMIN_SERVICE_NAME)
-        reflection.enable_server_reflection(tuple(services), self.grpc)
+        # the v2 messages live in their own pool (serve/kserve.py): reflection reads both
+        reflection.enable_server_reflection(tuple(services), self.grpc, pool=kserve.ReflectionPool())
         self._set_health(False)
         credentials = security.server_credentials(config)  # None: plaintext (bind 127.0.0.1)
         address = f"{config.host}:{config.port}"

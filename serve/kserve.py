@@ -60,8 +60,8 @@ LIST_NAMES = 5  # names listed in a message before "and N more"
 NO_DEADLINE_S = 365 * 24 * 3600.0
 
 
-def _build_messages() -> dict[str, type]:
-    """Compiles the v2 proto (grpcio-tools, a serve dependency) into a private pool."""
+def _build_messages() -> tuple[descriptor_pool.DescriptorPool, dict[str, type]]:
+    """Compiles the v2 proto (grpcio-tools, a serve dependency) into a private pool: (pool, messages)."""
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory(prefix="kserve-proto-") as tmp:
@@ -81,10 +81,24 @@ def _build_messages() -> dict[str, type]:
         for descriptor in (method.input_type, method.output_type):
             messages[descriptor.name] = message_factory.GetMessageClass(descriptor)
     messages["InferParameter"] = message_factory.GetMessageClass(pool.FindMessageTypeByName("inference.InferParameter"))
-    return messages
+    return pool, messages
 
 
-M = _build_messages()
+POOL, M = _build_messages()
+
+
+class ReflectionPool:
+    """What server reflection looks descriptors up in: protobuf's default pool (encoder.v1, health,
+    reflection), then the private v2 pool, so grpcurl can list, describe and call
+    inference.GRPCInferenceService like the services in the default pool."""
+
+    def __getattr__(self, name: str):  # the Find* lookups grpc_reflection makes; KeyError when neither has it
+        def find(*args):
+            try:
+                return getattr(descriptor_pool.Default(), name)(*args)
+            except (KeyError, TypeError):  # TypeError: given a descriptor of the v2 pool
+                return getattr(POOL, name)(*args)
+        return find
 
 
 # -- protobuf -> numpy / our request ----------------------------------------------------------

@@ -249,13 +249,32 @@ def test_health_reports_serving_for_the_server_and_the_service(server):
             assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lists_the_encoder_service(server):
+def _reflection(server, *requests) -> list:
     with grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                              timeout=5)
-        names = {s.name for r in responses for s in r.list_services_response.service}
-    assert {"encoder.v1.EncoderService", "grpc.health.v1.Health"} <= names
+        return list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+
+
+def test_reflection_lists_the_encoder_and_the_kserve_v2_services(server):
+    (response,) = _reflection(server, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = {s.name for s in response.list_services_response.service}
+    assert {"encoder.v1.EncoderService", "inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("service,method", [("inference.GRPCInferenceService", "ModelInfer"),
+                                            ("encoder.v1.EncoderService", "Encode")])
+def test_reflection_describes_each_listed_service(server, service, method):
+    """What grpcurl asks for `describe` and calls: the file defining the service (the v2 one lives in
+    serve/kserve.py's own descriptor pool, not protobuf's default one)."""
+    from google.protobuf import descriptor_pb2
+
+    (response,) = _reflection(server, reflection_pb2.ServerReflectionRequest(file_containing_symbol=service))
+    assert response.WhichOneof("message_response") == "file_descriptor_response", response
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in response.file_descriptor_response.file_descriptor_proto]
+    package, _, name = service.rpartition(".")
+    (found,) = [s for f in files if f.package == package for s in f.service if s.name == name]
+    assert method in [m.name for m in found.method]
 
 
 def test_metrics_count_requests_by_method_and_status(server, client):
