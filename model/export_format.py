@@ -198,7 +198,8 @@ def read_metadata(root: str | Path) -> Metadata:
     """metadata.json of the export directory `root`, parsed and checked (graph hashes: `graph_file`)."""
     meta_path = Path(root) / METADATA_FILE
     if not meta_path.is_file():
-        raise ExportError(f"{meta_path} not found: run `python -m export` first, or pass --export-dir")
+        raise ExportError(f"{meta_path} not found: run `python -m export` (with docker-compose: "
+                          "`docker-compose --profile export run --rm export`) first, or pass --export-dir")
     try:
         data = json.loads(meta_path.read_text())
     except json.JSONDecodeError as error:

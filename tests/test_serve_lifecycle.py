@@ -189,6 +189,18 @@ def test_device_cuda_on_a_cpu_only_host_fails_at_startup_with_a_clear_message(se
     assert "CUDAExecutionProvider" in result.stderr and "onnxruntime-gpu" in result.stderr
 
 
+def test_a_missing_export_fails_at_startup_naming_the_export_commands(tmp_path):
+    """What a user sees when serve-cpu starts before the export job: the host command and the compose one."""
+    result = subprocess.run(
+        [sys.executable, "-m", "serve", "--port", "0", "--metrics-port", "-1", "--export-dir", str(tmp_path)],
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert "startup_failed" in result.stderr and f"{tmp_path / 'metadata.json'} not found" in result.stderr
+    assert "`python -m export`" in result.stderr
+    assert "`docker-compose --profile export run --rm export`" in result.stderr
+
+
 def test_a_changed_graph_is_refused_at_startup(serve_export_dir, tmp_path):
     import shutil
 
