@@ -6,6 +6,7 @@ start: it checks the device it got, and that the graph's inputs are the ones thi
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -27,6 +28,8 @@ log = logging.getLogger("serve.backend")
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
+TENSORRT_LIBRARY = "libnvinfer.so.10"  # TensorRT 10, which onnxruntime-gpu's TensorRT provider loads
 OUTPUTS = OUTPUT_NAMES
 _ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "bool": "tensor(bool)"}
 
@@ -55,6 +58,25 @@ class Backend(Protocol):
     def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE) -> tuple[np.ndarray, np.ndarray]: ...
 
 
+def can_load(library: str) -> bool:
+    """Whether the dynamic loader finds and loads `library` (a soname)."""
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
+
+
+def offered_providers(available: list[str], loadable=can_load) -> list[str]:
+    """onnxruntime's available providers, less TensorRT where its library cannot be loaded:
+    onnxruntime-gpu lists TensorRT whenever the wheel holds the provider, TensorRT installed or not
+    (the GPU image has none), and a session asked for it would fail."""
+    if TENSORRT in available and not loadable(TENSORRT_LIBRARY):
+        logs.event(log, "tensorrt_not_offered", library=TENSORRT_LIBRARY, reason="cannot be loaded")
+        return [p for p in available if p != TENSORRT]
+    return list(available)
+
+
 def cuda_options(cuda_device_id: int = 0, tf32: bool = False) -> dict:
     """CUDA execution provider options: the device, and TF32 off unless asked for (ServerConfig.cuda_tf32)."""
     return {"device_id": int(cuda_device_id), "use_tf32": "1" if tf32 else "0"}
@@ -81,7 +103,7 @@ class OnnxRuntimeBackend:
 
         self.export = export
         self.config = export.config
-        available = list(ort.get_available_providers())
+        available = offered_providers(ort.get_available_providers())
         providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -85,6 +85,32 @@ def test_cuda_provider_keeps_fp32_exact_with_tf32_off_unless_asked_for():
     assert ServerConfig().cuda_tf32 is False
 
 
+def test_tensorrt_is_offered_only_where_its_library_loads():
+    """The decision, on onnxruntime-gpu's provider list with the loader faked: no GPU and no TensorRT
+    here. onnxruntime-gpu lists TensorRT whenever the wheel has the provider; the GPU image has no
+    libnvinfer.so.10, so the server must not offer it (GetModelInfo.available_providers)."""
+    from serve.backend import CPU, CUDA, TENSORRT, TENSORRT_LIBRARY, offered_providers
+
+    gpu_wheel = [TENSORRT, CUDA, CPU]
+    asked = []
+
+    def missing(library):
+        asked.append(library)
+        return False
+
+    assert offered_providers(gpu_wheel, loadable=missing) == [CUDA, CPU]
+    assert asked == [TENSORRT_LIBRARY]
+    assert offered_providers(gpu_wheel, loadable=lambda library: True) == gpu_wheel
+    assert offered_providers([CPU], loadable=missing) == [CPU] and len(asked) == 1  # no TensorRT: not asked
+
+
+def test_can_load_asks_the_real_dynamic_loader():
+    from serve.backend import can_load
+
+    assert can_load("libc.so.6")
+    assert not can_load("libnvinfer-that-is-not-installed.so.10")
+
+
 def test_length_split_is_on_by_default_and_its_run_cost_is_measured_unless_pinned():
     assert ServerConfig().length_split is True and ServerConfig().split_overhead_tokens == -1
     config = load_config(["--length-split", "false", "--split-overhead-tokens", "24"], environ={})
