@@ -277,6 +277,7 @@ class Batcher:
                                      batch_size=len(rows), batch_length=length, path=path)
             for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
                 if progress[ticket].complete and not ticket.done():
+                    self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
                     progress[ticket].finish(provider)
 
 
@@ -317,6 +318,11 @@ class _Progress:
     def complete(self) -> bool:
         return self.left == 0 or self.error is not None
 
+    @property
+    def queue_s(self) -> float:
+        """Admitted -> the start of its first run."""
+        return self.first_start - self.ticket.enqueued
+
     def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
             inference_s: float, batch_size: int, batch_length: int, path: str = DENSE) -> None:
         if self.error is not None:
@@ -347,7 +353,7 @@ class _Progress:
         ticket._finish(EncodeResult(
             request_id=ticket.request.request_id,
             outputs=tuple(self.outputs),
-            queue_s=self.first_start - ticket.enqueued,
+            queue_s=self.queue_s,
             inference_s=self.inference_s,
             batch_size=self.batch_size,
             batch_length=self.batch_length,

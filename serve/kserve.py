@@ -18,6 +18,8 @@ The v2 view of the served export (ModelMetadata says the same):
            pooling ("mean" | "first" | "none"), normalize, truncate (texts over the tokenizer's
            max_length are cut instead of refused)
   With texts, T of last_hidden_state is the longest text's token count.
+  response parameters: batch_size (rows in the session.run that computed the request's longest row),
+           batch_sequence_length (that run's padded length), execution_provider (as Encode's metadata)
 Only the requested outputs are computed (none requested: all of them, as the protocol says).
 
 Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto,
@@ -352,6 +354,10 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
             array = np.stack([o.embedding for o in result.outputs]).astype(np.float32, copy=False)
         response.outputs.add(name=name, datatype="FP32", shape=list(array.shape))
         response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+    # what Encode's ResponseMetadata says of the run, as response parameters (module docstring)
+    response.parameters["batch_size"].int64_param = result.batch_size
+    response.parameters["batch_sequence_length"].int64_param = result.batch_length
+    response.parameters["execution_provider"].string_param = result.execution_provider
     return response
 
 
@@ -444,6 +450,8 @@ class KServeServicer:
             ticket = engine.submit(ours, deadline)
             context.add_callback(ticket.cancel)
             result = engine.wait(ticket, deadline)
+            if self._metrics is not None:
+                self._metrics.sequences.inc(len(result.outputs))
             return response_to_v2(result, requested, length, engine.export.name, request.id)
         return self._call("ModelInfer", context, work)
 

@@ -33,7 +33,8 @@ class Metrics:
 
     def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,
-                        padding_tokens: int | None = None, path: str | None = None) -> None:
+                        padding_tokens: int | None = None, path: str | None = None,
+                        queue_s: float | None = None) -> None:
         if queue_depth is not None:
             self.queue_depth.set(queue_depth)
         if batch_size is not None:
@@ -46,6 +47,8 @@ class Metrics:
             self.padding_tokens.inc(padding_tokens)
         if path is not None and batch_size is not None:
             self.path_rows.labels(path=path).inc(batch_size)
+        if queue_s is not None:
+            self.queue_seconds.observe(queue_s)
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts /metrics; returns the bound port (port 0: the OS chooses)."""

@@ -128,7 +128,6 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), deadline)
             context.add_callback(ticket.cancel)
             result = engine.wait(ticket, deadline)
-            self._metrics.queue_seconds.observe(result.queue_s)
             self._metrics.sequences.inc(len(result.outputs))
             response = response_to_proto(result, engine, received)
         except Exception as error:  # mapped to a status in _finish

@@ -3,6 +3,8 @@ against `python -m serve` in a subprocess: same numbers as Encode, mask choice a
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -136,9 +138,27 @@ def test_unknown_model_and_out_of_range_ids_are_rejected(v2):
         infer(v2, np.array([[1, 2, 100_000]], np.int64))
 
 
-def test_v2_requests_are_counted_in_metrics(server, v2):
-    infer(v2, np.array([[1, 2]], np.int64))
-    assert 'method="v2.ModelInfer"' in server.metrics()
+def _sample(metrics: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    assert match, f"{name} not in the metrics"
+    return float(match.group(1))
+
+
+def test_v2_requests_are_counted_in_metrics_with_their_queue_time_and_sequences(server, v2):
+    before = server.metrics()
+    infer(v2, np.array([[1, 2, 3], [4, 5, 6]], np.int64))
+    after = server.metrics()
+    assert re.search(r'^encoder_requests_total\{code="OK",method="v2.ModelInfer"\} [1-9]', after, re.M)
+    assert _sample(after, "encoder_queue_seconds_count") == _sample(before, "encoder_queue_seconds_count") + 1
+    assert _sample(after, "encoder_sequences_total") == _sample(before, "encoder_sequences_total") + 2
+
+
+def test_v2_responses_carry_the_batch_they_ran_in_as_parameters(v2):
+    """As Encode's ResponseMetadata: rows and padded length of the run, and the provider that ran it."""
+    parameters = infer(v2, np.array([[1, 2, 3], [4, 5, 6]], np.int64)).get_response().parameters
+    assert parameters["batch_size"].int64_param == 2
+    assert parameters["batch_sequence_length"].int64_param == 3
+    assert parameters["execution_provider"].string_param == "CPUExecutionProvider"
 
 
 # --- the BYTES `texts` input, decoded (serve/kserve.texts_from_v2; served texts: test_text_serving.py) ---
