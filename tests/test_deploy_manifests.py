@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,71 @@ def test_kustomization_lists_every_manifest_in_its_folder():
     assert listed == present
 
 
+def _pod_images(pod: dict) -> list[str]:
+    return [c["image"] for c in (*pod.get("initContainers", ()), *pod["containers"])]
+
+
+def _k8s_images() -> set[str]:
+    """Every image a Kubernetes manifest in deploy/k8s runs (containers and init containers)."""
+    return {image for path in (DEPLOY / "k8s").glob("*.yaml") for doc in _documents(path)
+            if "template" in doc.get("spec", {}) for image in _pod_images(doc["spec"]["template"]["spec"])}
+
+
+def test_kustomization_names_every_image_it_deploys_so_the_registry_can_be_changed_in_one_place():
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    entries = {entry["name"]: entry for entry in kustomization["images"]}
+    for image in _k8s_images():
+        name, _, tag = image.rpartition(":")
+        assert name in entries, f"{image}: no `images:` entry in kustomization.yaml"
+        assert entries[name]["newTag"] == tag, f"{image}: kustomization.yaml sets another tag"
+    assert {entry["name"] for entry in entries.values()} == {image.rpartition(":")[0] for image in _k8s_images()}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) not installed")
+def test_kustomize_renders_every_container_from_the_images_entries(tmp_path):
+    """What `kubectl apply -k` applies after a user pointed the `images:` entries at their registry."""
+    base = tmp_path / "k8s"
+    shutil.copytree(DEPLOY / "k8s", base)
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    for entry in kustomization["images"]:
+        entry["newName"] = "my.registry.test/team/" + entry["name"].rsplit("/", 1)[-1]
+        entry["newTag"] = "v1"
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    rendered = subprocess.run(["kubectl", "kustomize", str(base)], capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+    images = {image for doc in yaml.safe_load_all(rendered) if doc and "template" in doc.get("spec", {})
+              for image in _pod_images(doc["spec"]["template"]["spec"])}
+    assert images == {"my.registry.test/team/onnx-encoder-serve:v1", "my.registry.test/team/onnx-encoder-export:v1"}
+
+
+def test_deployment_waits_for_the_export_in_an_init_container_instead_of_crash_looping(tmp_path):
+    deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    (wait,), (serve,) = pod["initContainers"], pod["containers"]
+    assert wait["image"] == serve["image"]  # nothing else to pull
+    assert wait["volumeMounts"] == [m for m in serve["volumeMounts"] if m["name"] == "exports"]
+    env = {item["name"]: item["value"] for item in wait["env"]}
+    export_dir = load_config([], environ={item["name"]: item["value"] for item in serve["env"]}).export_dir
+    assert env["ENCODER_EXPORT_DIR"] == export_dir
+    # the export Job writes /exports/<name of the default config>, which is what the server reads
+    from model.config import EncoderConfig
+
+    mount = next(m["mountPath"] for m in serve["volumeMounts"] if m["name"] == "exports")
+    assert export_dir == f"{mount}/{EncoderConfig().name}"
+
+    # The command itself, run by sh here on a stand-in export dir: it waits while metadata.json is
+    # missing (says so, and keeps running) and ends at once when it is there.
+    command, local = wait["command"], {"ENCODER_EXPORT_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    waiting = subprocess.Popen(command, env=local, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "waiting for" in waiting.stdout.readline() and waiting.poll() is None
+    finally:
+        waiting.kill()
+        waiting.wait(10)
+    (tmp_path / "metadata.json").write_text("{}")
+    assert subprocess.run(command, env=local, timeout=30).returncode == 0
+
+
 def test_deployment_runs_the_gpu_image_with_ports_probes_and_args_the_server_accepts():
     deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
     pod = deployment["spec"]["template"]["spec"]
@@ -193,6 +260,20 @@ def test_kserve_custom_predictor_agrees_with_the_image_and_the_server():
     env = {item["name"]: item["value"] for item in container["env"]}
     assert env["ENCODER_EXPORT_DIR"] == "/mnt/models"  # where KServe's storage initializer writes STORAGE_URI
     assert predictor["minReplicas"] <= predictor["maxReplicas"]
+
+
+def test_kserve_scrapes_the_server_metrics_through_the_queue_proxy():
+    """enable-prometheus-scraping alone reads the queue-proxy; with metric aggregation it also fetches
+    the server's own metrics, from the port and path the prometheus.kserve.io annotations give."""
+    service = _inference_services()["encoder"]
+    annotations = service["metadata"]["annotations"]
+    assert annotations["serving.kserve.io/enable-prometheus-scraping"] == "true"
+    assert annotations["serving.kserve.io/enable-metric-aggregation"] == "true"
+    (container,) = service["spec"]["predictor"]["containers"]
+    env = {**_dockerfile_stage("gpu")["env"], **{item["name"]: item["value"] for item in container["env"]}}
+    config = load_config(container.get("args", []), environ=env)
+    assert annotations["prometheus.kserve.io/port"] == str(config.metrics_port)
+    assert annotations["prometheus.kserve.io/path"] == "/metrics"  # prometheus_client's start_http_server
 
 
 def test_kserve_triton_predictor_uses_the_v2_protocol_on_an_onnx_model():
