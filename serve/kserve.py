@@ -98,7 +98,7 @@ class ReflectionPool:
         def find(*args):
             try:
                 return getattr(descriptor_pool.Default(), name)(*args)
-            except (KeyError, TypeError):  # TypeError: given a descriptor of the v2 pool
+            except KeyError:
                 return getattr(POOL, name)(*args)
         return find
 
