@@ -95,7 +95,9 @@ def format_table(report: dict) -> str:
                              f"{lat['bare_grpc']['p50_ms'] / lat['in_process']['p50_ms']:.3f}x in-process at p50)")
         lines.append("throughput:")
         for name, t in server["throughput"].items():
-            lines.append(f"  {name:12s} {t['throughput_rps']:8.1f} req/s  mean batch {t['mean_batch_size']:5.1f}  "
+            lines.append(f"  {name:12s} {t['throughput_rps']:8.1f} req/s  rows per run {_num(t.get('rows_per_run'))}  "
+                         f"CPU per request: front end {_num(t.get('front_cpu_ms_per_request'), 2)} ms, model "
+                         f"{_num(t.get('model_cpu_ms_per_request'), 2)} ms  "
                          f"{t['clients']} clients  {t['requests']} requests  {t['errors']} errors  "
                          f"RSS idle {t['rss_idle_mb']:.0f} MiB, peak {t['rss_peak_mb']:.0f} MiB")
         mixed = server.get("mixed_lengths")
@@ -105,7 +107,9 @@ def format_table(report: dict) -> str:
             for name, title in (("split", "length-sorted runs"), ("one_run", "one padded run (--length-split false)")):
                 t = mixed[name]
                 lines.append(f"  {title:38s} {t['throughput_rps']:8.1f} req/s  {t['tokens_per_s']:8.0f} tokens/s  "
-                             f"p50 {t['latency']['p50_ms']:7.1f} ms  p99 {t['latency']['p99_ms']:7.1f} ms")
+                             f"p50 {t['latency']['p50_ms']:7.1f} ms  p99 {t['latency']['p99_ms']:7.1f} ms  "
+                             f"rows per run {_num(t.get('rows_per_run'))}  front-end CPU "
+                             f"{_num(t.get('front_cpu_ms_per_request'), 2)} ms/request")
             if mixed.get("split_gain"):
                 lines.append(f"  length-sorted runs: {mixed['split_gain']:.2f}x the throughput")
         mem = server.get("memory") or {}
@@ -125,3 +129,7 @@ def format_table(report: dict) -> str:
         state = {True: "MET", False: "NOT MET", None: "not measured"}[v["met"]]
         lines.append(f"  {state:12s} {v['description']}: {value} (target {v['direction']} {v['limit']})")
     return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -258,12 +258,14 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                 served = warm["requests"] + len(client_ids)
                 after_first, peak_first = rss.now(), rss.peak
                 load = sb.concurrent_load(server.target, client_ids, total_requests=options.throughput_requests,
-                                          deadline_s=options.throughput_deadline_s, server_pid=server.pid)
+                                          deadline_s=options.throughput_deadline_s, server=server, model_threads=threads)
                 served += load["requests"] + len(client_ids)
                 load.update(flags=flags, rss_idle_mb=sb.rss_mb(idle), rss_peak_mb=sb.rss_mb(rss.peak))
                 result["throughput"][f"batching_{mode}"] = load
                 say(f"throughput batching {mode}: {load['throughput_rps']:.1f} req/s "
-                    f"(mean batch {load['mean_batch_size']:.1f}, run {load['mean_inference_ms']:.1f} ms, "
+                    f"(rows per run {load['rows_per_run'] or 0:.1f}, run {load['mean_inference_ms']:.1f} ms, "
+                    f"server CPU per request {sb.ms(load['server_cpu_ms_per_request'])}: front end "
+                    f"{sb.ms(load['front_cpu_ms_per_request'])}, model {sb.ms(load['model_cpu_ms_per_request'])}; "
                     f"queue {load['mean_queue_ms']:.1f} ms, CPU cores: clients {load['client_cpu_cores']:.2f}, "
                     f"server {load['server_cpu_cores']:.2f}; {load['requests']} requests, {load['errors']} errors)")
                 if mode == "on":
@@ -307,11 +309,13 @@ def bench_mixed_lengths(config: EncoderConfig, export_dir: Path, graph: str, thr
         with sb.running_server(str(export_dir), flags) as server:
             sb.concurrent_load(server.target, client_ids, total_requests=2 * len(client_ids), deadline_s=600.0)
             load = sb.concurrent_load(server.target, client_ids, total_requests=requests,
-                                      deadline_s=options.throughput_deadline_s, server_pid=server.pid)
+                                      deadline_s=options.throughput_deadline_s, server=server, model_threads=threads)
         load.update(flags=flags)
         result[mode] = load
         say(f"mixed lengths {low}-{high}, {mode}: {load['throughput_rps']:.1f} req/s, "
-            f"{load['tokens_per_s']:.0f} tokens/s (p50 {load['latency']['p50_ms']:.1f} ms; {load['requests']} requests)")
+            f"{load['tokens_per_s']:.0f} tokens/s (p50 {load['latency']['p50_ms']:.1f} ms; {load['requests']} requests; "
+            f"rows per run {load['rows_per_run'] or 0:.1f}; front-end CPU per request "
+            f"{sb.ms(load['front_cpu_ms_per_request'])})")
     result["split_gain"] = (result["split"]["throughput_rps"] / result["one_run"]["throughput_rps"]
                             if result["one_run"]["throughput_rps"] else None)
     return result

@@ -9,6 +9,7 @@ Every loop is bounded by a request count or a deadline.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ class ServerHandle:
     target: str
     log: Path
     flags: list[str] = field(default_factory=list)
+    # threads alive once it listened, before any call: the batcher and ONNX Runtime's pool among them
+    startup_threads: frozenset[int] = frozenset()
 
     @property
     def pid(self) -> int:
@@ -72,7 +75,7 @@ def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float 
                "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
                *flags]
     with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, deadline):
-        handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
+        handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags, frozenset(thread_cpu(process.pid)))
         with EncoderClient(handle.target, timeout=5.0) as client:
             while True:
                 try:
@@ -95,6 +98,40 @@ def running_bare_server(export_dir: str, graph: str, threads: int, *, start_time
     command = [sys.executable, "-m", "bench.bare_server", *flags, "--port-file", str(port_file)]
     with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, _deadline):
         yield ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """{thread id: CPU seconds (user + system)} of process `pid`, from /proc (empty where unreadable)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def split_cpu(before: dict[int, float], after: dict[int, float], startup: frozenset[int],
+              model_threads: int) -> tuple[float, float]:
+    """Server CPU seconds between two thread_cpu snapshots as (front end, model). Model: the
+    `model_threads` start-up threads that used the most CPU (the batcher thread, which calls
+    session.run and is one of ONNX Runtime's intra-op threads, and the rest of ORT's pool); front end:
+    every other thread (gRPC's polling thread, the handler pool: decode, validate, submit, wait,
+    answer). The same split as ../shared/peers/triton/side_by_side.py uses for this server."""
+    delta = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    model = sum(sorted((v for tid, v in delta.items() if tid in startup), reverse=True)[:model_threads])
+    return sum(delta.values()) - model, model
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
 
 
 def percentiles(samples_ms: list[float]) -> dict:
@@ -174,9 +211,12 @@ class RssSampler:
 
 
 def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requests: int,
-                    deadline_s: float, server_pid: int | None = None) -> dict:
+                    deadline_s: float, server: ServerHandle | None = None, model_threads: int = 0) -> dict:
     """len(ids_per_client) threads, each one channel, each sending its single-sequence request
-    back to back until `total_requests` were answered in all or `deadline_s` passed."""
+    back to back until `total_requests` were answered in all or `deadline_s` passed. With `server`
+    (and `model_threads`, the intra-op thread count): its CPU, split into front end and model per
+    request (split_cpu), and the rows per session.run."""
+    server_pid = server.pid if server is not None else None
     from serve.client import EncoderClient, build_request
 
     clients = [EncoderClient(target, timeout=60.0, retries=0) for _ in ids_per_client]
@@ -217,27 +257,39 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
 
     threads = [threading.Thread(target=worker, args=pair, daemon=True) for pair in zip(clients, requests)]
     me = psutil.Process()
-    server = psutil.Process(server_pid) if server_pid else None
-    cpu0 = (sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0)
+    process = psutil.Process(server_pid) if server_pid else None
+    cpu0 = (sum(me.cpu_times()[:2]), sum(process.cpu_times()[:2]) if process else 0.0)
+    threads0 = thread_cpu(server_pid) if server_pid else {}
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=deadline_s + 120)
     wall = time.perf_counter() - t0
-    cpu1 = (sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0)
+    cpu1 = (sum(me.cpu_times()[:2]), sum(process.cpu_times()[:2]) if process else 0.0)
+    threads1 = thread_cpu(server_pid) if server_pid else {}
     for client in clients:
         client.close()
+    done = state["done"]
+    front = model = None
+    if server is not None and model_threads and done:
+        front, model = split_cpu(threads0, threads1, server.startup_threads, model_threads)
     return {"clients": len(clients), "requests": state["done"], "errors": state["errors"], "seconds": wall,
             "throughput_rps": state["done"] / wall if wall > 0 else 0.0,
             "tokens_per_s": state["tokens"] / wall if wall > 0 else 0.0,
             "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+            # single-sequence requests: a run of b rows answers b of them, so runs = sum(1 / b)
+            "rows_per_run": (len(batch_sizes) / sum(1.0 / b for b in batch_sizes)
+                             if batch_sizes and min(batch_sizes) > 0 else None),
+            "front_cpu_ms_per_request": 1e3 * front / done if front is not None else None,
+            "model_cpu_ms_per_request": 1e3 * model / done if model is not None else None,
             # the server's own timings: mean session.run of the batch a request ran in, queue wait
             "mean_inference_ms": float(np.mean(inference_ms)) if inference_ms else 0.0,
             "mean_queue_ms": float(np.mean(queue_ms)) if queue_ms else 0.0,
             # CPU seconds per wall second: the clients (this process) and the server
             "client_cpu_cores": (cpu1[0] - cpu0[0]) / wall if wall > 0 else 0.0,
-            "server_cpu_cores": (cpu1[1] - cpu0[1]) / wall if wall > 0 and server else None,
+            "server_cpu_cores": (cpu1[1] - cpu0[1]) / wall if wall > 0 and process else None,
+            "server_cpu_ms_per_request": 1e3 * (cpu1[1] - cpu0[1]) / done if process and done else None,
             "latency": percentiles(latencies) if latencies else None}
 
 

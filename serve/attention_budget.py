@@ -11,7 +11,7 @@ estimate exceeds the budget, so two admitted requests cannot add up past it eith
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
 from model.config import EncoderConfig
@@ -23,6 +23,7 @@ from serve.errors import TooLarge
 DEFAULT_SHARE = 0.5
 # What a client is told would fit, when its own request does not say (ModernBERT's local window).
 EXAMPLE_WINDOW, EXAMPLE_STEP = 128, 64
+MEMO_SIZE = 4096  # remembered (length, mask) answers; cleared when full
 
 
 def available_memory() -> int:
@@ -50,12 +51,26 @@ class AttentionBudget:
     config: EncoderConfig
     paths: tuple[str, ...]  # the attention paths the backend has a graph for
     max_bytes: int
+    # (length, kind, window, step) -> (path, bytes): each row of every request asks, on the hot path
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _row(self, row: Row) -> tuple[str, int]:
+        key = (row.inputs.shape[0], row.kind, row.window, row.step)
+        found = self._memo.get(key)
+        if found is None:
+            length, mask = row.length, row.mask
+            path = cheapest(length, mask, self.config, self.paths)
+            found = (path, attention_bytes(path, 1, length, mask, self.config))
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
 
     def path(self, row: Row) -> str:
-        return cheapest(row.length, row.mask, self.config, self.paths)
+        return self._row(row)[0]
 
     def row_bytes(self, row: Row) -> int:
-        return attention_bytes(self.path(row), 1, row.length, row.mask, self.config)
+        return self._row(row)[1]
 
     def request_bytes(self, rows: tuple[Row, ...]) -> int:
         return sum(self.row_bytes(row) for row in rows)

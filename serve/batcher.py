@@ -267,6 +267,7 @@ class Batcher:
             started = time.monotonic()
             hidden, pooled = self.backend.encode(feeds) if path == DENSE else self.backend.encode(feeds, path)
             inference_s = time.monotonic() - started
+            finite = bool(np.isfinite(hidden).all() and np.isfinite(pooled).all())  # else: row by row
             tokens = sum(row.length for row in rows)
             self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
                           padding_tokens=len(rows) * length - tokens, path=path)
@@ -274,7 +275,7 @@ class Batcher:
                 row = rows[index]
                 progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],
                                      run=number, started=started, inference_s=inference_s,
-                                     batch_size=len(rows), batch_length=length, path=path)
+                                     batch_size=len(rows), batch_length=length, path=path, finite=finite)
             for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
                 if progress[ticket].complete and not ticket.done():
                     self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
@@ -324,7 +325,9 @@ class _Progress:
         return self.first_start - self.ticket.enqueued
 
     def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
-            inference_s: float, batch_size: int, batch_length: int, path: str = DENSE) -> None:
+            inference_s: float, batch_size: int, batch_length: int, path: str = DENSE,
+            finite: bool = False) -> None:
+        """Takes row `i`'s outputs; `finite`: the whole run's outputs are known finite (no row check)."""
         if self.error is not None:
             return
         self.paths[i] = path
@@ -336,7 +339,7 @@ class _Progress:
         # runs go shortest first, so the last run a ticket is in holds its longest row: report that one
         self.batch_size, self.batch_length = batch_size, batch_length
         self.left -= 1
-        if not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
+        if not finite and not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
             # finite but extreme raw features can overflow inside the model: never answer NaN
             bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
             if row.inputs.dtype.kind == "f":

@@ -218,13 +218,17 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[
     if attention.shape != (batch, length):
         raise ValidationError(f"inputs[attention_mask].shape: {list(attention.shape)} must equal the "
                               f"ids' [{batch}, {length}]")
-    lengths = []
-    for row, values in enumerate(attention):
-        n = int(np.count_nonzero(values))
-        if not (np.all(values[:n] == 1) and np.all(values[n:] == 0)):
-            raise ValidationError(f"inputs[attention_mask][{row}]: must be 1s then 0s (right padding)")
-        lengths.append(n)
-    return lengths
+    if batch == 1:  # the common case: cheaper without the [B, T] comparison
+        n = int(np.count_nonzero(attention))
+        if not (np.all(attention[0, :n] == 1) and np.all(attention[0, n:] == 0)):
+            raise ValidationError("inputs[attention_mask][0]: must be 1s then 0s (right padding)")
+        return [n]
+    lengths = np.count_nonzero(attention, axis=1)
+    right_padded = attention == (np.arange(length) < lengths[:, None])  # 1s then 0s, nothing else
+    if not right_padded.all():
+        row = int(np.flatnonzero(~right_padded.all(axis=1))[0])
+        raise ValidationError(f"inputs[attention_mask][{row}]: must be 1s then 0s (right padding)")
+    return lengths.tolist()
 
 
 def _names(names) -> str:
@@ -398,8 +402,7 @@ class KServeServicer:
 
     def _observe(self, method: str, code: grpc.StatusCode, received: float) -> None:
         if self._metrics is not None:
-            self._metrics.requests.labels(f"v2.{method}", code.name).inc()
-            self._metrics.total_seconds.labels(f"v2.{method}").observe(time.monotonic() - received)
+            self._metrics.finished(f"v2.{method}", code.name, time.monotonic() - received)
 
     def ServerLive(self, request, context):
         return M["ServerLiveResponse"](live=True)

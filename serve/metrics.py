@@ -30,6 +30,17 @@ class Metrics:
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
         self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
         self._http = None
+        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled children
+
+    def finished(self, method: str, code: str, seconds: float) -> None:
+        """One request of `method` ended with status `code` after `seconds` (the labelled children are
+        looked up once: this runs for every request)."""
+        children = self._children.get((method, code))
+        if children is None:
+            children = self._children[(method, code)] = (self.requests.labels(method, code),
+                                                           self.total_seconds.labels(method))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,

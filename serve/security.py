@@ -108,14 +108,29 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
     """Bytes that do not parse as the method's request message get INVALID_ARGUMENT naming the
     method (through serve.errors.to_status), not gRPC's generic INTERNAL "Exception deserializing"."""
 
+    def __init__(self) -> None:
+        # method -> (its handler, the wrapped one): built once per method, not once per call (this runs
+        # on every request's hot path)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)  # registered methods only: a bounded set
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         from serve.errors import ValidationError, to_status
 
         status = to_status(ValidationError(
-            f"request: the bytes are not a valid protobuf request for {handler_call_details.method}"))
+            f"request: the bytes are not a valid protobuf request for {method}"))
         deserialize = _tolerant(handler.request_deserializer)
         if not handler.request_streaming:
             behaviour = handler.unary_unary or handler.unary_stream

@@ -112,8 +112,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def _finish(self, method: str, received: float, context: grpc.ServicerContext, error: BaseException | None):
         code = grpc.StatusCode.OK if error is None else to_status(error)[0]
-        self._metrics.requests.labels(method, code.name).inc()
-        self._metrics.total_seconds.labels(method).observe(time.monotonic() - received)
+        self._metrics.finished(method, code.name, time.monotonic() - received)
         if error is not None:
             code, message = to_status(error)
             if not isinstance(error, ServeError):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.__main__ import main
+from bench.server_bench import split_cpu
 
 
 def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
@@ -25,10 +28,25 @@ def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
     assert server["latency"]["server"]["n"] > 0 and server["latency"]["in_process"]["n"] > 0
     assert server["latency"]["bare_grpc"]["n"] > 0  # the gRPC-in-Python floor, measured beside them
     for mode in ("batching_on", "batching_off"):
-        assert server["throughput"][mode]["requests"] > 0
-        assert server["throughput"][mode]["errors"] == 0
+        load = server["throughput"][mode]
+        assert load["requests"] > 0
+        assert load["errors"] == 0
+        # the evidence every server test carries (issue 13): rows per session.run, CPU per request split
+        assert 1.0 <= load["rows_per_run"] <= (32 if mode == "batching_on" else 1)
+        # (/proc counts CPU in 10 ms ticks: the quick run's tiny model may show 0 on its own side)
+        assert load["front_cpu_ms_per_request"] >= 0 and load["model_cpu_ms_per_request"] >= 0
+        assert load["front_cpu_ms_per_request"] + load["model_cpu_ms_per_request"] > 0
     assert len(server["memory"]["checkpoints"]) == 2
     for mode in ("split", "one_run"):  # mixed lengths: length-sorted runs vs one padded run per batch
         assert server["mixed_lengths"][mode]["requests"] > 0 and server["mixed_lengths"][mode]["errors"] == 0
+        assert server["mixed_lengths"][mode]["front_cpu_ms_per_request"] >= 0
     assert {t["target"] for t in report["targets"]} >= {"int8_vs_ort_fp32@8x256", "rss_growth_1k_to_20k"}
     assert "targets:" in capsys.readouterr().out
+
+
+def test_server_cpu_splits_into_the_busiest_startup_threads_as_model_and_the_rest_as_front_end():
+    before = {1: 0.0, 2: 1.0, 3: 0.0, 4: 0.5}
+    after = {1: 0.1, 2: 3.0, 3: 1.5, 4: 0.6, 9: 0.7}  # 9: a handler thread started under load
+    front, model = split_cpu(before, after, startup=frozenset({1, 2, 3, 4}), model_threads=2)
+    assert model == pytest.approx(2.0 + 1.5)  # threads 2 and 3
+    assert front == pytest.approx(0.1 + 0.1 + 0.7)  # 1, 4 and the new thread 9
