@@ -109,8 +109,6 @@ class OnnxRuntimeBackend:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
         options.intra_op_num_threads = int(intra_op_threads) or len(os.sched_getaffinity(0))
-        if os.environ.get("XX_NO_SPIN"):
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = self._load(ort, export.graph_path, options, providers, device)
         # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
         # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
