@@ -47,7 +47,8 @@ ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abando
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
     backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
-                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32)
+                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
+                                 instances=config.instances)
     if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
         from serve.faults import FaultInjectingBackend
 

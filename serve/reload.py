@@ -97,7 +97,7 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
-        observe=observe, run_cost=run_cost, budget=budget,
+        observe=observe, run_cost=run_cost, budget=budget, instances=config.instances,
     )
     engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
     batcher.start()
