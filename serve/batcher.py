@@ -1,4 +1,7 @@
-"""Dynamic batching: a bounded queue and one worker that groups concurrent requests into one run.
+"""Dynamic batching: a bounded queue and worker threads that group concurrent requests into runs.
+
+One worker by default; with ServerConfig.instances = N, N workers each form and run their own batch
+on the one shared backend, so N batches run at once (each on its share of the intra-op threads).
 
 Admission: `submit` raises Overloaded when max_queue_size requests wait, Unavailable once closed.
 The worker takes the oldest request, waits up to max_queue_delay for company, then takes requests
@@ -92,6 +95,7 @@ class Batcher:
         observe: Callable[..., None] | None = None,
         run_cost: RunCost | None = None,
         budget: AttentionBudget | None = None,
+        instances: int = 1,
     ) -> None:
         self.backend = backend
         self.config = config
@@ -108,13 +112,15 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._stopping = False
-        self._busy = False
-        self._running: list[Ticket] = []  # the batch being run
-        self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
+        self._running: dict[int, list[Ticket]] = {}  # worker -> the batch it runs
+        # one worker per batch that may run at once (ServerConfig.instances), all on the one backend
+        self._threads = [threading.Thread(target=self._run, args=(worker,), name=f"batcher-{worker}", daemon=True)
+                         for worker in range(max(1, instances))]
 
     # -- admission ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None = None,
                attention_bytes: int = 0) -> Ticket:
@@ -144,7 +150,7 @@ class Batcher:
         """Waits until the queue is empty and no batch runs; True when drained in time."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._running:
                 remaining = None if end is None else end - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -155,7 +161,7 @@ class Batcher:
         """Finishes every queued and running ticket with `error` (a drain whose grace period ran out);
         the running batch's results, if they come, are dropped. Returns how many were abandoned."""
         with self._cond:
-            tickets = [*self._queue, *self._running]
+            tickets = [*self._queue, *(t for batch in self._running.values() for t in batch)]
             self._queue.clear()
             self._queued_rows = 0
             self._cond.notify_all()
@@ -170,11 +176,12 @@ class Batcher:
                 ticket._finish(error=Unavailable("server stopped before the request ran"))
             self._queue.clear()
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout)
 
     # -- the worker --------------------------------------------------------------------------
-    def _take(self) -> list[Ticket] | None:
+    def _take(self, worker: int) -> list[Ticket] | None:
         with self._cond:
             while not self._queue and not self._stopping:
                 self._cond.wait()
@@ -208,15 +215,15 @@ class Batcher:
                 self._queued_rows -= n
                 batch.append(ticket)
                 rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
-            self._busy = bool(batch)
-            self._running = batch
+            if batch:
+                self._running[worker] = batch
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
             return batch
 
-    def _run(self) -> None:
+    def _run(self, worker: int = 0) -> None:
         while True:
-            batch = self._take()
+            batch = self._take(worker)
             if batch is None:
                 return
             try:
@@ -228,8 +235,7 @@ class Batcher:
                 self._isolate([t for t in batch if not t.done()], error)
             finally:
                 with self._cond:
-                    self._busy = False
-                    self._running = []
+                    self._running.pop(worker, None)
                     self._cond.notify_all()
 
     def _isolate(self, batch: list[Ticket], error: BaseException) -> None:

@@ -33,7 +33,11 @@ class ServerConfig:
     # by default; they round inputs to 10 mantissa bits: measured 7e-4 max abs off PyTorch fp32 on an
     # H100 against 1e-6 without (docs/serving.md). Off: fp32 means fp32. On: faster, less exact.
     cuda_tf32: bool = False
-    intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity: container limits)
+    intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity) / instances
+    # Batches run at once, each by its own batcher thread on the one shared session (ONNX Runtime's
+    # Run is thread-safe). 2 x 1 thread on a busy 2-core host wastes less CPU in intra-op hand-offs
+    # than 1 x 2 (docs/performance.md, against Triton); a lone request then runs on fewer threads.
+    instances: int = 1
     max_batch_size: int = 32  # rows per session.run
     max_batch_tokens: int = 16384  # rows x padded length per session.run
     # How long the first queued request waits for company. 0: no added wait; requests that arrive
@@ -82,7 +86,7 @@ class ServerConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",
-                     "max_request_bytes", "max_response_bytes", "workers"):
+                     "max_request_bytes", "max_response_bytes", "workers", "instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sequences_per_request > self.max_batch_size:

@@ -48,7 +48,8 @@ class Reloaded:
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
     backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
-                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32)
+                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
+                                 instances=config.instances)
     if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
         from serve.faults import FaultInjectingBackend
 
@@ -108,7 +109,7 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
-        observe=observe, run_cost=run_cost, budget=budget,
+        observe=observe, run_cost=run_cost, budget=budget, instances=config.instances,
     )
     engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
     batcher.start()

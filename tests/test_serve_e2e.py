@@ -319,3 +319,25 @@ def test_a_batch_of_mixed_lengths_runs_split_by_length_and_every_result_matches_
     # the short pair ran padded to 4 and the long pair to 110, not all four padded to 110
     assert [out.metadata.batch_sequence_length for out in outputs] == [4, 110, 4, 110]
     assert _padding_tokens(split_server) - padding_before == (4 - 3) + (110 - 100)
+
+
+# --- instances: batches run at once (ServerConfig.instances) ------------------------------------
+def test_a_server_with_two_instances_answers_concurrent_requests_as_pytorch_does(serve_start, serve_export_dir,
+                                                                                 serve_reference):
+    process = serve_start(serve_export_dir, "--instances", "2", "--max-queue-delay-ms", "0")
+    try:
+        lengths = [3, 17, 40, 8, 25, 1]
+        sequences = [_ids(n, 700 + i) for i, n in enumerate(lengths)]
+        barrier = threading.Barrier(len(sequences))
+
+        def call(i: int):
+            with EncoderClient(process.target, timeout=30, retries=0) as c:
+                barrier.wait()
+                return c.encode([sequences[i]], hidden_states=True)
+
+        for seq, out in zip(sequences, call_concurrently(call, len(sequences))):
+            hidden, mean = serve_reference(seq)
+            np.testing.assert_allclose(out.hidden_states[0], hidden, atol=ATOL, rtol=ATOL)
+            np.testing.assert_allclose(out.embeddings[0], mean, atol=ATOL, rtol=ATOL)
+    finally:
+        assert process.terminate() == 0, process.log()

@@ -325,6 +325,75 @@ def test_batcher_abandon_answers_queued_and_running_requests_with_the_error_it_i
     batcher.stop(5)
 
 
+class CountingBackend(FakeBackend):
+    """FakeBackend that counts the calls inside encode at once; `both_inside` is set when two are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.most_inside = 0, 0
+        self.both_inside = threading.Event()
+        self._lock = threading.Lock()
+
+    def encode(self, batch):
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            if self.inside == 2:
+                self.both_inside.set()
+        try:
+            return super().encode(batch)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+def test_batcher_with_two_instances_runs_two_batches_at_once_and_drains_both():
+    backend = CountingBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0, instances=2)
+    first = _submit(batcher, [1, 2])
+    assert backend.entered.wait(5)  # worker 0 holds `first` inside the backend
+    second = _submit(batcher, [3])
+    assert backend.both_inside.wait(5)  # worker 1 took `second` while `first` still runs
+    assert not batcher.drain(0)  # two batches running: not drained
+    backend.release.set()
+    assert batcher.drain(5)
+    assert first.wait(0).batch_size == 1 and second.wait(0).batch_size == 1
+    np.testing.assert_array_equal(second.wait(0).outputs[0].hidden_states[:, 0], [3])
+    assert backend.most_inside == 2
+    batcher.stop(5)
+
+
+def test_batcher_abandon_covers_every_running_instance():
+    backend = CountingBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0, instances=2)
+    running = [_submit(batcher, [1])]
+    assert backend.entered.wait(5)
+    running.append(_submit(batcher, [2]))
+    assert backend.both_inside.wait(5)
+    assert batcher.abandon(errors.Unavailable("grace period ran out")) == 2
+    for ticket in running:
+        with pytest.raises(errors.Unavailable, match="grace period ran out"):
+            ticket.wait(0)
+    backend.release.set()
+    assert batcher.drain(5)
+    batcher.stop(5)
+
+
+def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir):
+    import os
+
+    from serve.backend import OnnxRuntimeBackend
+
+    cpus = len(os.sched_getaffinity(0))
+    for instances in (1, 2):
+        backend = OnnxRuntimeBackend(load_export(serve_export_dir), instances=instances)
+        assert backend.session.get_session_options().intra_op_num_threads == max(1, cpus // instances)
+    with pytest.raises(ValueError, match="instances must be >= 1"):
+        ServerConfig(instances=0)
+
+
 class ShapeRecordingBackend(FakeBackend):
     """FakeBackend that records (rows, padded length) per run and holds runs longer than `gate` until
     `open` is set."""
