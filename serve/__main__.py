@@ -2,11 +2,16 @@
 
 import sys
 
-from serve.app import serve
 from serve.config import load_config
+from serve.proto_stamp import GeneratedCodeError
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        from serve.app import serve  # loads the generated protobuf code, which must be current
+    except GeneratedCodeError as error:
+        print(f"python -m serve: {error}", file=sys.stderr)
+        return 2
     try:
         config = load_config(argv)
     except ValueError as error:

@@ -26,38 +26,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serve import logs
-from serve.backend import Backend, OnnxRuntimeBackend
+from serve import kserve, logs, security
+from serve.admin import ADMIN_SERVICE_NAME, add_admin_to_server
 from serve.config import ServerConfig
 from serve.engine import Engine
-from serve.errors import ServeError, Unavailable
-from serve.export_dir import ExportDir
+from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
+from serve.loading import BackendFactory, Reloaded, build_engine, default_backend, retire
 from serve.metrics import Metrics
-from serve import security
 from serve.pb import pb, pb_grpc
-from serve.reload import ADMIN_SERVICE_NAME, add_admin_to_server, build_engine, reload_model
 from serve.servicer import EncoderServicer
 
 log = logging.getLogger("serve.app")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
-BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
 ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abandoned calls to go out
 
 
-def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
-    backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
-                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
-                                 instances=config.instances)
-    if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
-        from serve.faults import FaultInjectingBackend
-
-        return FaultInjectingBackend(backend, config.fault_inject)
-    return backend
-
-
 class EncoderServer:
-    """The gRPC server plus the model it serves; `load()` makes it ready, `shutdown()` drains it."""
+    """The gRPC server plus the model it serves; `load()` makes it ready, `reload()` swaps the model
+    without downtime, `shutdown()` drains it."""
 
     def __init__(self, config: ServerConfig, backend_factory: BackendFactory | None = None) -> None:
         self.config = config
@@ -73,7 +60,7 @@ class EncoderServer:
         self._last_arrival = float("-inf")
         self._refused_draining = 0
         self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
-        self._reload_lock = threading.Lock()  # one reload at a time (serve/reload.py)
+        self._reload_lock = threading.Lock()  # one reload at a time
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
         hard_limit = 2 * config.max_request_bytes + (1 << 20)
@@ -86,15 +73,12 @@ class EncoderServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         pb_grpc.add_EncoderServiceServicer_to_server(
             EncoderServicer(self.admit, self.metrics, config.max_request_bytes), self.grpc)
-        # --- KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md) ---
-        from serve import kserve
-
+        # KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md)
         kserve.add_kserve_to_server(self.admit, self.metrics, self.grpc)
-        # --- end KServe v2 ---
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        if config.admin:  # ReloadModel (serve/reload.py); SIGHUP reloads without it
-            add_admin_to_server(self, self.grpc)
+        if config.admin:  # ReloadModel (serve/admin.py); SIGHUP reloads without it
+            add_admin_to_server(self.reload, self.metrics, self.grpc)
             services.append(ADMIN_SERVICE_NAME)
         # the v2 messages live in their own pool (serve/kserve.py): reflection reads both
         reflection.enable_server_reflection(tuple(services), self.grpc, pool=kserve.ReflectionPool())
@@ -186,7 +170,7 @@ class EncoderServer:
         c = self.config
         self._state = "loading"
         started = time.monotonic()
-        # load + sha256 + session checks + warm-up + a probe inference (serve/reload.py)
+        # load + sha256 + session checks + warm-up + a probe inference (serve/loading.py)
         engine, warm_s = build_engine(c.export_dir, c.graph, c, self._backend_factory,
                                       self.metrics.observe_batcher)
         export, backend = engine.export, engine.backend
@@ -202,9 +186,45 @@ class EncoderServer:
                    provider=backend.info.execution_provider, warmup_s=f"{warm_s:.3f}",
                    load_s=f"{time.monotonic() - started:.3f}")
 
-    def reload(self, export_dir: str = "", graph: str = ""):
-        """Swaps in a checked new model without downtime; ModelRefused keeps the old one (serve/reload.py)."""
-        return reload_model(self, export_dir, graph)
+    def reload(self, export_dir: str = "", graph: str = "") -> Reloaded:
+        """Swaps in a new model without downtime: `export_dir` ("" re-reads the served one) is built
+        and checked beside the old engine while the old keeps serving (serve/loading.py), then the
+        engine reference is swapped under the lock (one assignment: a request sees the old engine or
+        the new one, never a mix). The old engine is retired in the background: it answers what it
+        holds (requests admitted before the swap answer from the old model, and say so in
+        `metadata.model_sha256`), then stops. Any failure before the swap raises ModelRefused and
+        changes nothing; a reload while another runs raises Overloaded. Triggered by
+        `encoder.v1.AdminService/ReloadModel` (`--admin`, serve/admin.py) or SIGHUP."""
+        if not self._reload_lock.acquire(blocking=False):
+            raise Overloaded("reload: another reload is in progress; retry when it finishes")
+        try:
+            old = self.engine()  # Unavailable while loading or shutting down
+            export_dir = export_dir or str(old.export.path)
+            graph = graph or self.config.graph
+            started = time.monotonic()
+            logs.event(log, "reload_started", export_dir=export_dir, graph=graph)
+            try:
+                new, warm_s = build_engine(export_dir, graph, self.config, self._backend_factory,
+                                           self.metrics.observe_batcher)
+            except ServeError as error:
+                logs.event(log, "reload_refused", logging.ERROR, export_dir=export_dir, error=error.message)
+                raise ModelRefused(
+                    f"reload refused, still serving sha256={old.export.sha256}: {error.message}") from None
+            except Exception as error:  # e.g. onnxruntime raising its own types
+                logs.event(log, "reload_refused", logging.ERROR, export_dir=export_dir, error=repr(error))
+                raise ModelRefused(f"reload refused, still serving sha256={old.export.sha256}: "
+                                   f"{type(error).__name__}: {error}") from None
+            if not self._swap_engine(old, new):
+                new.batcher.stop(0)
+                raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")
+            load_s = time.monotonic() - started
+            logs.event(log, "model_swapped", previous=old.export.sha256[:12], sha256=new.export.sha256[:12],
+                       model=new.export.name, warmup_s=f"{warm_s:.3f}", load_s=f"{load_s:.3f}")
+            retire(old, self.config.grace_s)
+            return Reloaded(previous_sha256=old.export.sha256, sha256=new.export.sha256,
+                            model_name=new.export.name, model_version=new.export.version, load_seconds=load_s)
+        finally:
+            self._reload_lock.release()
 
     def _swap_engine(self, old: Engine, new: Engine) -> bool:
         with self._lock:

@@ -15,9 +15,8 @@
 from __future__ import annotations
 
 import argparse
-import random
+import json
 import sys
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,12 +25,35 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model.mask_kinds import MaskKind
-from serve.pb import pb, pb_grpc
+from serve.pb import admin_pb, admin_pb_grpc, pb, pb_grpc
 from serve.tensors import from_numpy, to_numpy
 
 _POOLING = {None: pb.POOLING_DEFAULT, "default": pb.POOLING_DEFAULT, "none": pb.POOLING_NONE,
             "mean": pb.POOLING_MEAN, "first": pb.POOLING_FIRST}
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+SERVICE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
+RETRYABLE = ("UNAVAILABLE",)  # not RESOURCE_EXHAUSTED: it also means "too large", which a retry cannot fix
+MAX_ATTEMPTS = 5  # gRPC clamps retryPolicy.maxAttempts to 5
+
+
+def service_config(retries: int, backoff_s: float, max_backoff_s: float) -> str | None:
+    """The channel's gRPC service config (JSON) for `retries` > 0, else None (one attempt, fail fast).
+
+    - Client-side health checking (round_robin + healthCheckConfig): an address counts as ready only
+      while its health for encoder.v1.EncoderService is SERVING, so calls skip a replica that is
+      loading or draining, and (waitForReady) wait for one that serves instead of failing on a server
+      that is starting, restarting or unreachable.
+    - retryPolicy: an UNAVAILABLE answer (the race between a drain or restart and the health update)
+      is retried with jittered exponential backoff, at most min(retries + 1, 5) attempts, with retry
+      throttling; the call's one deadline covers the waiting, every attempt and every backoff."""
+    if retries <= 0:
+        return None
+    initial = max(backoff_s, 0.001)  # gRPC refuses a zero backoff
+    method = {"name": [{"service": SERVICE}], "waitForReady": True,
+              "retryPolicy": {"maxAttempts": min(retries + 1, MAX_ATTEMPTS), "initialBackoff": f"{initial:.3f}s",
+                              "maxBackoff": f"{max(max_backoff_s, initial):.3f}s", "backoffMultiplier": 2,
+                              "retryableStatusCodes": list(RETRYABLE)}}
+    return json.dumps({"methodConfig": [method], "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+                       "loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE}})
 
 
 @dataclass(frozen=True)
@@ -98,8 +120,12 @@ def _pem(value: str | bytes | None) -> bytes | None:
 
 
 class EncoderClient:
-    """Retries UNAVAILABLE (server starting, restarting, draining, unreachable) with jittered,
-    capped exponential backoff: `retries` more attempts, each with `timeout`. Encode is idempotent.
+    """`timeout` is each call's one overall deadline (None: none). With `retries` > 0 the channel uses
+    gRPC's own retry machinery (`service_config`): calls wait, within that deadline, for a replica
+    whose health is SERVING (one that is starting, restarting, loading, draining or unreachable is
+    skipped), and an UNAVAILABLE answer is retried with jittered, capped exponential backoff
+    (`backoff_s` doubling up to `max_backoff_s`; gRPC allows at most 4 retries). `retries=0`: one
+    attempt, failing fast. Encode is idempotent; ReloadModel and health are never retried.
 
     TLS: `tls=True` (system roots) or `tls_ca` (PEM bytes or path); mTLS adds `tls_cert` + `tls_key`.
     `token` is sent as `authorization: Bearer <token>` on every call (health included, harmlessly).
@@ -120,14 +146,22 @@ class EncoderClient:
         if tls or tls_ca or tls_cert:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert))
-            self.channel = grpc.secure_channel(target, credentials, options=options)
+            self._open = lambda extra: grpc.secure_channel(target, credentials, options=options + extra)
         else:
-            self.channel = grpc.insecure_channel(target, options=options)
+            self._open = lambda extra: grpc.insecure_channel(target, options=options + extra)
+        config = service_config(retries, backoff_s, max_backoff_s)
+        retrying = [] if config is None else [
+            ("grpc.service_config", config), ("grpc.enable_retries", 1),
+            ("grpc.per_rpc_retry_buffer_size", max_message_bytes)]  # a request is retried whole, never cut
+        self.channel = self._open(retrying)
+        self._health_channel = self.channel if config is None else None  # opened when first asked
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = pb_grpc.EncoderServiceStub(self.channel)
         self.timeout, self.retries, self.backoff_s, self.max_backoff_s = timeout, retries, backoff_s, max_backoff_s
 
     def close(self) -> None:
+        if self._health_channel not in (None, self.channel):
+            self._health_channel.close()
         self.channel.close()
 
     def __enter__(self) -> "EncoderClient":
@@ -137,15 +171,7 @@ class EncoderClient:
         self.close()
 
     def _call(self, method, request):
-        for attempt in range(self.retries + 1):
-            try:
-                return method(request, timeout=self.timeout, metadata=self.metadata)
-            except grpc.RpcError as error:
-                if error.code() not in RETRYABLE or attempt == self.retries:
-                    raise
-                pause = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
-                time.sleep(pause * (0.5 + random.random()))  # jittered, capped exponential backoff
-        raise AssertionError("unreachable")  # pragma: no cover
+        return method(request, timeout=self.timeout, metadata=self.metadata)
 
     def encode(self, sequences: Sequence, **options) -> EncodeOutput:
         return parse_response(self._call(self.stub.Encode, build_request(sequences, **options)))
@@ -163,14 +189,16 @@ class EncoderClient:
 
     def reload_model(self, export_dir: str = "", graph: str = ""):
         """encoder.v1.AdminService/ReloadModel (server started with --admin); not retried."""
-        from serve._proto.encoder.v1 import admin_pb2, admin_pb2_grpc
-
-        stub = admin_pb2_grpc.AdminServiceStub(self.channel)
-        return stub.ReloadModel(admin_pb2.ReloadModelRequest(export_dir=export_dir, graph=graph),
+        stub = admin_pb_grpc.AdminServiceStub(self.channel)
+        return stub.ReloadModel(admin_pb.ReloadModelRequest(export_dir=export_dir, graph=graph),
                                 timeout=self.timeout, metadata=self.metadata)
 
     def health(self, service: str = "") -> str:
-        stub = health_pb2_grpc.HealthStub(self.channel)
+        """The server's health status, NOT_SERVING included (on a channel without health checking,
+        which would refuse to call a server that is not SERVING)."""
+        if self._health_channel is None:
+            self._health_channel = self._open([])
+        stub = health_pb2_grpc.HealthStub(self._health_channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout,
                               metadata=self.metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -179,8 +207,9 @@ class EncoderClient:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve.client")
     parser.add_argument("--target", default="127.0.0.1:50051")
-    parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE, with backoff")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call, retries and waiting included")
+    parser.add_argument("--retries", type=int, default=3,
+                        help="retries on UNAVAILABLE, with backoff (at most 4); 0: one attempt, fail fast")
     parser.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
     parser.add_argument("--tls-ca", help="PEM CA bundle to verify the server (implies TLS)")
     parser.add_argument("--tls-cert", help="PEM client certificate (mTLS); with --tls-key")

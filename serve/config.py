@@ -78,7 +78,7 @@ class ServerConfig:
     # when set, every RPC but grpc.health.v1 needs `authorization: Bearer <token>`; kept out of repr
     auth_token: str = dataclasses.field(default="", repr=False)
     max_request_tokens: int = 0  # sequences x longest length per request; 0: max_batch_tokens
-    # --- operations (serve/reload.py, serve/faults.py) ---
+    # --- operations (EncoderServer.reload in serve/app.py, serve/admin.py, serve/faults.py) ---
     admin: bool = False  # serve encoder.v1.AdminService (ReloadModel); SIGHUP reloads regardless
     fault_inject: str = ""  # TESTS ONLY, e.g. "poison_token=99" (serve/faults.py); empty: off
 

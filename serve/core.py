@@ -14,7 +14,7 @@ from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve.errors import ValidationError
 
-POOLINGS = ("none", "mean", "first")
+POOLINGS = ("mean", "first", "none")  # what EncodeRequest.pooling may be (KServe v2 lists them in this order)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EncodeRequest:
     sequences: tuple[np.ndarray, ...]  # int64/int32 [T] token ids, or float32 [T, d_model] features
     mask: MaskChoice = field(default_factory=MaskChoice)
     hidden_states: bool = False
-    pooling: str = "mean"  # none | mean | first
+    pooling: str = "mean"  # one of POOLINGS
     normalize: bool = False
     request_id: str = ""
     texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/text.py)

@@ -2,7 +2,7 @@
 
 tritonclient.grpc and KServe clients work unchanged. The servicer converts v2 messages to our own
 EncodeRequest and back, nothing more: validation, admission and batching are the Engine's, and
-errors map to status codes through serve.errors.to_status like the Encode service.
+deadline, metrics and status codes are the shared edge's (serve/edge.py), as for the Encode service.
 
 The v2 view of the served export (ModelMetadata says the same):
   inputs   input_ids       INT64|INT32 [B, T]     (inputs_embeds FP32 [B, T, D] for feature models)
@@ -22,33 +22,33 @@ The v2 view of the served export (ModelMetadata says the same):
            batch_sequence_length (that run's padded length), execution_provider (as Encode's metadata)
 Only the requested outputs are computed (none requested: all of them, as the protocol says).
 
-Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto,
-not in protobuf's default pool: tritonclient registers the same `inference.*` names from Triton's
-grpc_service.proto there, and two files defining one symbol in one pool is a hard import error.
-The wire format, and so the service's method paths, are the same either way.
+Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto
+(compiled to a FileDescriptorSet by the build step, `python -m serve.protogen`, and loaded through
+serve/pb.py, which refuses a missing or stale one), not in protobuf's default pool: tritonclient
+registers the same `inference.*` names from Triton's grpc_service.proto there, and two files
+defining one symbol in one pool is a hard import error. The wire format, and so the service's
+method paths, are the same either way.
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
-import time
-from pathlib import Path
 from typing import Callable
 
 import grpc
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pool, message_factory
 
 from model.mask_kinds import MaskKind
-from serve.core import EncodeRequest, EncodeResult, MaskChoice
+from serve.core import POOLINGS, EncodeRequest, EncodeResult, MaskChoice
+from serve.edge import Call, deadline_of
 from serve.engine import Engine
-from serve.errors import ServeError, ValidationError, clip, quote, to_status
+from serve.errors import ServeError, ValidationError, clip, quote
 from serve.metrics import Metrics
+from serve.pb import kserve_descriptors
 from serve.tensors import array_from_bytes, check_shape
 
 SERVICE = "inference.GRPCInferenceService"
-PROTO = Path(__file__).resolve().parent.parent / "protos" / "kserve" / "v2" / "grpc_predict_v2.proto"
 SERVER_NAME = "onnx-encoder-service"
 MODEL_VERSION = "1"  # the one version served; "" (server's choice) also selects it
 PLATFORM = "onnxruntime_onnx"
@@ -57,25 +57,13 @@ OUTPUTS = ("last_hidden_state", "embeddings")
 DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("bool")}
 CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
                   "BOOL": "bool_contents"}
-POOLINGS = ("mean", "first", "none")
 LIST_NAMES = 5  # names listed in a message before "and N more"
-NO_DEADLINE_S = 365 * 24 * 3600.0
 
 
-def _build_messages() -> tuple[descriptor_pool.DescriptorPool, dict[str, type]]:
-    """Compiles the v2 proto (grpcio-tools, a serve dependency) into a private pool: (pool, messages)."""
-    from grpc_tools import protoc
-
-    with tempfile.TemporaryDirectory(prefix="kserve-proto-") as tmp:
-        out = Path(tmp) / "descriptor.binpb"
-        include = Path(protoc.__file__).resolve().parent / "_proto"
-        args = ["grpc_tools.protoc", f"-I{PROTO.parents[2]}", f"-I{include}", f"--descriptor_set_out={out}",
-                str(PROTO)]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed for {PROTO}")
-        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+def _load_messages() -> tuple[descriptor_pool.DescriptorPool, dict[str, type]]:
+    """The generated v2 descriptors in a private pool: (pool, message classes by name)."""
     pool = descriptor_pool.DescriptorPool()
-    for file in files.file:
+    for file in kserve_descriptors().file:
         pool.Add(file)
     service = pool.FindServiceByName(SERVICE)
     messages = {}
@@ -86,7 +74,7 @@ def _build_messages() -> tuple[descriptor_pool.DescriptorPool, dict[str, type]]:
     return pool, messages
 
 
-POOL, M = _build_messages()
+POOL, M = _load_messages()
 
 
 class ReflectionPool:
@@ -389,21 +377,6 @@ class KServeServicer:
             raise ValidationError(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
         return engine
 
-    def _call(self, method: str, context: grpc.ServicerContext, work: Callable[[], object]):
-        received = time.monotonic()
-        try:
-            response = work()
-        except Exception as error:  # mapped in exactly one place: serve.errors.to_status
-            code, message = to_status(error)
-            self._observe(method, code, received)
-            context.abort(code, message)
-        self._observe(method, grpc.StatusCode.OK, received)
-        return response
-
-    def _observe(self, method: str, code: grpc.StatusCode, received: float) -> None:
-        if self._metrics is not None:
-            self._metrics.finished(f"v2.{method}", code.name, time.monotonic() - received)
-
     def ServerLive(self, request, context):
         return M["ServerLiveResponse"](live=True)
 
@@ -426,7 +399,7 @@ class KServeServicer:
         return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version, extensions=["parameters"])
 
     def ModelMetadata(self, request, context):
-        def work():
+        with Call(self._metrics, "v2.ModelMetadata", context):
             engine = self._model(request.name, request.version, context)
             config = engine.export.config
             T = M["ModelMetadataResponse"].TensorMetadata
@@ -442,21 +415,18 @@ class KServeServicer:
                 outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
                          T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
             )
-        return self._call("ModelMetadata", context, work)
 
     def ModelInfer(self, request, context):
-        def work():
+        with Call(self._metrics, "v2.ModelInfer", context):
             engine = self._model(request.model_name, request.model_version, context)
             ours, requested, length = request_from_v2(request, engine)
-            remaining = context.time_remaining()  # ~2**63 ns (not None) when the client set no deadline
-            deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+            deadline = deadline_of(context)
             ticket = engine.submit(ours, deadline)
             context.add_callback(ticket.cancel)
             result = engine.wait(ticket, deadline)
             if self._metrics is not None:
                 self._metrics.sequences.inc(len(result.outputs))
             return response_to_v2(result, requested, length, engine.export.name, request.id)
-        return self._call("ModelInfer", context, work)
 
 
 def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server: grpc.Server) -> None:

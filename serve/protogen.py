@@ -1,16 +1,20 @@
-"""Generates the Python gRPC code for protos/ into serve/_proto/ (git-ignored): `python -m serve.protogen`.
+"""Generates serve/_proto/ (git-ignored) from protos/: `python -m serve.protogen`, a build step only.
+
+Run by `make proto` (which `make test`, `make run` and `make bench` call) and by the image's build
+stage (docker/Dockerfile); nothing runs it at import, so grpcio-tools is a build dependency (the
+`dev` extra), never the server's. What it writes and how the server checks it: serve/proto_stamp.py.
 
 grpcio-tools runs protoc with `-I protos`, so descriptors keep their canonical names
-(`encoder/v1/encoder.proto`, which reflection shows). protoc writes absolute imports
-(`from encoder.v1 import encoder_pb2`); we rewrite that one prefix to `serve._proto.encoder.v1`,
-so the generated package imports without touching sys.path. The output is deterministic, and a
-STAMP file records the hash of the .proto sources and the generator version: `ensure_generated()`
-regenerates whenever the protos change, and a test proves regenerating gives identical files.
+(`encoder/v1/encoder.proto`, which reflection shows). For protos/encoder it writes Python modules;
+protoc writes absolute imports (`from encoder.v1 import encoder_pb2`), which we rewrite to
+`serve._proto.encoder.v1`, so the generated package imports without touching sys.path. For
+protos/kserve it writes a serialized FileDescriptorSet instead, which serve/kserve.py loads into its
+private descriptor pool. The output is deterministic (a test regenerates and compares), and the
+STAMP records the hash of the .proto sources, the generator version and every file written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -18,30 +22,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "protos"
-OUT_DIR = Path(__file__).resolve().parent / "_proto"
+from serve.proto_stamp import (DESCRIPTOR_SET_PROTOS, OUT_DIR, PROTO_DIR, ROOT, STAMP, GeneratedCodeError, check,
+                               proto_files, sources_digest, stamp_text)
+
 PACKAGE = "serve._proto"
-STAMP = "STAMP"
-
-
-def proto_files(proto_dir: Path = PROTO_DIR) -> list[Path]:
-    return sorted(proto_dir.rglob("*.proto"))
 
 
 def source_stamp(proto_dir: Path = PROTO_DIR) -> str:
+    """The STAMP's first line: the sources' hash and the generator's version."""
     import grpc_tools
 
-    digest = hashlib.sha256()
-    for path in proto_files(proto_dir):
-        digest.update(path.relative_to(proto_dir).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
     version = getattr(grpc_tools, "__version__", None)
     if version is None:
         from importlib.metadata import version as dist_version
 
         version = dist_version("grpcio-tools")
-    return f"sources={digest.hexdigest()} grpcio-tools={version}\n"
+    return f"sources={sources_digest(proto_dir)} grpcio-tools={version}\n"
 
 
 def _fix_imports(text: str, top_packages: set[str]) -> str:
@@ -51,35 +47,37 @@ def _fix_imports(text: str, top_packages: set[str]) -> str:
     return text
 
 
-def generate(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> list[Path]:
-    """Writes the generated package into `out_dir` (replaced whole); returns the files written."""
+def _protoc(args: list[str], files: list[Path]) -> None:
     from grpc_tools import protoc
 
+    include = Path(protoc.__file__).resolve().parent / "_proto"  # well-known types
+    if protoc.main(["grpc_tools.protoc", f"-I{include}", *args, *(str(p) for p in files)]) != 0:
+        raise RuntimeError(f"protoc failed for {', '.join(str(p) for p in files)}")
+
+
+def generate(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> list[Path]:
+    """Writes the generated package into `out_dir` (replaced whole); returns the files written."""
     files = proto_files(proto_dir)
     if not files:
         raise FileNotFoundError(f"no .proto files under {proto_dir}")
+    private = [p for p in files if p.relative_to(proto_dir).parts[0] in DESCRIPTOR_SET_PROTOS]
+    python = [p for p in files if p not in private]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        include = Path(protoc.__file__).resolve().parent / "_proto"  # well-known types
-        args = [
-            "grpc_tools.protoc",
-            f"-I{proto_dir}",
-            f"-I{include}",
-            f"--python_out={staging}",
-            f"--pyi_out={staging}",
-            f"--grpc_python_out={staging}",
-            *(str(p) for p in files),
-        ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed for {', '.join(str(p) for p in files)}")
-        top_packages = {p.relative_to(proto_dir).parts[0] for p in files}
+        _protoc([f"-I{proto_dir}", f"--python_out={staging}", f"--pyi_out={staging}",
+                 f"--grpc_python_out={staging}"], python)
+        top_packages = {p.relative_to(proto_dir).parts[0] for p in python}
         for path in sorted(staging.rglob("*.py")) + sorted(staging.rglob("*.pyi")):
             path.write_text(_fix_imports(path.read_text(), top_packages))
+        for proto in private:  # one FileDescriptorSet per file, beside where its module would be
+            target = staging / proto.relative_to(proto_dir).with_suffix(".binpb")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _protoc([f"-I{proto_dir}", "--include_imports", f"--descriptor_set_out={target}"], [proto])
         for directory in [staging, *sorted(d for d in staging.rglob("*") if d.is_dir())]:
             (directory / "__init__.py").write_text("")
         (staging / "__init__.py").write_text('"""Generated by `python -m serve.protogen`; do not edit."""\n')
-        (staging / STAMP).write_text(source_stamp(proto_dir))
+        (staging / STAMP).write_text(stamp_text(source_stamp(proto_dir), staging))
         staging.chmod(0o755)  # mkdtemp makes it 0700: a server running as another user must read it
         # Swap into place: readers see the old package or the new one, never half of one.
         if out_dir.exists():
@@ -93,14 +91,12 @@ def generate(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> list[Path]
 
 
 def is_stale(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> bool:
-    stamp = out_dir / STAMP
-    return not stamp.exists() or stamp.read_text() != source_stamp(proto_dir)
-
-
-def ensure_generated() -> None:
-    """Regenerates serve/_proto when it is missing or older than protos/ (cheap when fresh)."""
-    if is_stale():
-        generate()
+    """True when `out_dir` fails the import-time check, or another grpcio-tools would write it."""
+    try:
+        check(out_dir, proto_dir)
+    except GeneratedCodeError:
+        return True
+    return not (out_dir / STAMP).read_text().startswith(source_stamp(proto_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,29 +1,25 @@
 """The gRPC servicer: protobuf <-> our request types, errors -> status. Nothing more.
 
-Every ServeError is mapped to its status by serve.errors.to_status (the one place); anything else
-becomes INTERNAL with its type, never UNKNOWN.
+Deadlines, metrics and status codes are the shared edge's (serve/edge.py): every ServeError is mapped
+to its status by serve.errors.to_status (the one place); anything else becomes INTERNAL with its type,
+never UNKNOWN.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from typing import Callable, Iterator
 
-import grpc
-
 from model.mask_kinds import MaskKind
-from serve import logs
 from serve.core import EncodeRequest, EncodeResult, MaskChoice
+from serve.edge import Call, deadline_of
 from serve.engine import Engine
-from serve.errors import ServeError, Unavailable, ValidationError, to_status
+from serve.errors import Unavailable, ValidationError, to_status
 from serve.metrics import Metrics
 from serve.pb import pb, pb_grpc
 from serve.tensors import from_numpy, to_numpy
-
-log = logging.getLogger("serve.servicer")
 
 _POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first"}
 
@@ -94,12 +90,6 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
 
 
 _DRAINING = object()  # EncodeStream: the server began to drain
-_NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the client set no deadline
-
-
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None or remaining > _NO_DEADLINE_S else time.monotonic() + remaining
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
@@ -110,33 +100,21 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self._metrics = metrics
         self._max_bytes = max_request_bytes
 
-    def _finish(self, method: str, received: float, context: grpc.ServicerContext, error: BaseException | None):
-        code = grpc.StatusCode.OK if error is None else to_status(error)[0]
-        self._metrics.finished(method, code.name, time.monotonic() - received)
-        if error is not None:
-            code, message = to_status(error)
-            if not isinstance(error, ServeError):
-                logs.event(log, "unexpected_error", logging.ERROR, method=method, error=message)
-            context.abort(code, message)
-
     def Encode(self, request, context):
-        received = time.monotonic()
-        try:
+        with Call(self._metrics, "Encode", context) as call:
             engine = self._engine(context)
-            deadline = _deadline(context)
+            deadline = deadline_of(context)
             ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), deadline)
             context.add_callback(ticket.cancel)
             result = engine.wait(ticket, deadline)
             self._metrics.sequences.inc(len(result.outputs))
-            response = response_to_proto(result, engine, received)
-        except Exception as error:  # mapped to a status in _finish
-            self._finish("Encode", received, context, error)
-            raise AssertionError("unreachable: abort raises")  # pragma: no cover
-        self._finish("Encode", received, context, None)
-        return response
+            return response_to_proto(result, engine, call.received)
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
-        received = time.monotonic()
+        with Call(self._metrics, "EncodeStream", context):
+            yield from self._stream(request_iterator, context)
+
+    def _stream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         pending: queue.Queue = queue.Queue()
         admitting = threading.Lock()  # a request admitted before a drain is queued before its marker
 
@@ -144,12 +122,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             with admitting:
                 pending.put(_DRAINING)
 
-        try:
-            engine = self._engine(context, on_drain=on_drain)
-        except Exception as error:
-            self._finish("EncodeStream", received, context, error)
-            return
-        deadline = _deadline(context)
+        engine = self._engine(context, on_drain=on_drain)
+        deadline = deadline_of(context)
         tickets = []
         context.add_callback(lambda: [t.cancel() for t in list(tickets)])
 
@@ -174,12 +148,11 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         while True:
             item = pending.get()
             if item is None:
-                break
-            if item is _DRAINING:  # retry-safe: every request sent before was answered above
-                self._finish("EncodeStream", received, context, Unavailable(
-                    f"server is shutting down; this stream ended after answering its {answered} requests "
-                    f"sent before; send the rest to another replica"))
                 return
+            if item is _DRAINING:  # retry-safe: every request sent before was answered above
+                raise Unavailable(
+                    f"server is shutting down; this stream ended after answering its {answered} requests "
+                    f"sent before; send the rest to another replica")
             answered += 1
             started, ticket, error, request_id = item
             if ticket is not None:
@@ -197,13 +170,11 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 response=pb.EncodeResponse(request_id=request_id),
                 error=pb.Status(code=code.value[0], message=message),
             )
-        self._finish("EncodeStream", received, context, None)
 
     def GetModelInfo(self, request, context):
-        received = time.monotonic()
-        try:
+        with Call(self._metrics, "GetModelInfo", context):
             d = self._engine(context).describe()
-            info = pb.ModelInfo(
+            return pb.ModelInfo(
                 name=d.name, version=d.version, sha256=d.sha256, config_json=d.config_json, opset=d.opset,
                 inputs=[pb.TensorInfo(name=i["name"], dtype=i["dtype"], dims=[str(x) for x in i["dims"]])
                         for i in d.inputs],
@@ -217,8 +188,3 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 has_tokenizer=d.has_tokenizer, default_pooling=d.default_pooling,
                 default_normalize=d.default_normalize,
             )
-        except Exception as error:
-            self._finish("GetModelInfo", received, context, error)
-            raise AssertionError("unreachable")  # pragma: no cover
-        self._finish("GetModelInfo", received, context, None)
-        return info

@@ -199,10 +199,9 @@ BROKEN = {
 
 @pytest.mark.parametrize("how", sorted(BROKEN))
 def test_every_broken_model_is_refused_by_the_load_path_with_a_clear_error(serve_export_dir, tmp_path, how):
-    from serve.app import default_backend
     from serve.config import ServerConfig
     from serve.errors import ServeError
-    from serve.reload import build_engine
+    from serve.loading import build_engine, default_backend
 
     broken = corrupt_export(serve_export_dir, tmp_path / "export", how)
     config = ServerConfig(port=0, metrics_port=-1, export_dir=str(broken))

@@ -16,7 +16,7 @@ import pytest
 
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve import errors, protogen
+from serve import errors, proto_stamp, protogen
 from serve.backend import BackendInfo
 from serve.batch_plan import RunCost
 from serve.batcher import Batcher
@@ -500,27 +500,65 @@ def test_generated_code_in_use_equals_what_the_protos_generate_now(tmp_path):
     assert not mismatch
 
 
-def test_a_changed_proto_makes_the_generated_code_stale(tmp_path):
+@pytest.fixture
+def generated(tmp_path):
+    """(protos/, serve/_proto/) copies in tmp_path, generated and current."""
     protos, out = tmp_path / "protos", tmp_path / "_proto"
     shutil.copytree(protogen.PROTO_DIR, protos)
     protogen.generate(out, protos)
     assert not protogen.is_stale(out, protos)
-    proto = protos / "encoder" / "v1" / "encoder.proto"
-    proto.write_text(proto.read_text() + "\n// a comment changes the sources\n")
-    assert protogen.is_stale(out, protos)
-    (out / protogen.STAMP).unlink()
-    assert protogen.is_stale(out, protos)
+    proto_stamp.check(out, protos)
+    return protos, out
 
 
-def test_serving_never_imports_torch(serve_export_dir):
+@pytest.mark.parametrize("proto", ["encoder/v1/encoder.proto", "encoder/v1/admin.proto", proto_stamp.KSERVE_PROTO])
+def test_a_changed_proto_makes_the_generated_code_stale_and_refused_at_import(generated, proto):
+    protos, out = generated
+    path = protos / proto
+    path.write_text(path.read_text() + "\n// a comment changes the sources\n")
+    assert protogen.is_stale(out, protos)
+    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"stale.*python -m serve\.protogen"):
+        proto_stamp.check(out, protos)
+
+
+@pytest.mark.parametrize("artefact", [proto_stamp.KSERVE_DESCRIPTORS, "encoder/v1/encoder_pb2.py",
+                                      "encoder/v1/admin_pb2_grpc.py", proto_stamp.STAMP])
+@pytest.mark.parametrize("how", ["deleted", "edited"])
+def test_a_missing_or_edited_generated_file_is_refused_at_import(generated, artefact, how):
+    protos, out = generated
+    path = out / artefact
+    if how == "deleted":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes() + b"\n# edited by hand\n")
+    assert protogen.is_stale(out, protos)
+    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"python -m serve\.protogen"):
+        proto_stamp.check(out, protos)
+
+
+def test_the_kserve_descriptors_describe_the_v2_service_the_server_registers():
+    from serve import kserve
+    from serve.pb import kserve_descriptors
+
+    names = {file.name for file in kserve_descriptors().file}
+    assert proto_stamp.KSERVE_PROTO in names
+    methods = {m.name for m in kserve.POOL.FindServiceByName(kserve.SERVICE).methods}
+    assert {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"} <= methods
+
+
+def test_serving_never_imports_torch_nor_runs_protoc(serve_export_dir):
+    # grpcio-tools is a build dependency (python -m serve.protogen), not the server's
     code = f"""
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-import serve.app, serve.client, serve.servicer, serve.backend, serve.batcher, serve.__main__
+sys.modules["grpc_tools"] = None  # and so does any `import grpc_tools` (protoc)
+import serve.app, serve.client, serve.servicer, serve.kserve, serve.admin, serve.backend, serve.batcher
+import serve.__main__
 from serve.app import create_server
 from serve.client import EncoderClient
 from serve.config import ServerConfig
-server, port = create_server(ServerConfig(port=0, metrics_port=-1, export_dir={str(serve_export_dir)!r}))
+server, port = create_server(ServerConfig(port=0, metrics_port=-1, admin=True,
+                                          export_dir={str(serve_export_dir)!r}))
 server.start(); server.load()
 with EncoderClient(f"127.0.0.1:{{port}}", retries=0) as client:
     assert client.encode([[1, 2, 3]], mask="causal").embeddings.shape == (1, 32)

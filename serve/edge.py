@@ -1,0 +1,59 @@
+"""The edge of every RPC, shared by Encode (serve/servicer.py), KServe v2 (serve/kserve.py) and Admin
+(serve/admin.py): the call's deadline, its metrics, and its status.
+
+    with Call(metrics, "Encode", context) as call:   # call.received: when the handler started
+        ... raise any error ...
+        return response
+
+On leaving the block the call is counted (`Metrics.finished(method, code, seconds)`); an error is
+mapped to its status by serve.errors.to_status (the one place) and the call aborted with it. An
+error that is not a ServeError is a bug: logged, and answered INTERNAL with its type, never UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from serve import logs
+from serve.errors import ServeError, to_status
+from serve.metrics import Metrics
+
+log = logging.getLogger("serve.edge")
+
+NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the client set no deadline
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The call's deadline on time.monotonic()'s clock; None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+
+
+class Call:
+    """One RPC from its handler's start to its status (a context manager; see the module docstring)."""
+
+    def __init__(self, metrics: Metrics | None, method: str, context: grpc.ServicerContext) -> None:
+        self.metrics, self.method, self.context = metrics, method, context
+        self.received = time.monotonic()
+
+    def __enter__(self) -> "Call":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and not issubclass(kind, Exception):  # GeneratorExit: a stream the client left
+            return False
+        self.finish(error)
+        return False
+
+    def finish(self, error: BaseException | None) -> None:
+        """Counts the call with its status; with an error, aborts it with that status (raises)."""
+        code, message = (grpc.StatusCode.OK, "") if error is None else to_status(error)
+        if self.metrics is not None:
+            self.metrics.finished(self.method, code.name, time.monotonic() - self.received)
+        if error is not None:
+            if not isinstance(error, ServeError):
+                logs.event(log, "unexpected_error", logging.ERROR, method=self.method, error=message)
+            self.context.abort(code, message)

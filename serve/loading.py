@@ -1,0 +1,133 @@
+"""Building a served engine for an export directory, and retiring one: the whole load path.
+
+`build_engine` is shared by start-up (`EncoderServer.load`) and hot reload (`EncoderServer.reload`):
+read metadata.json and check the graph's sha256 (serve/export_dir.py), create and check the session,
+warm up, then `probe`: one real inference whose outputs must have the config's shapes and be finite.
+Only an engine that passed all of that is ever served. With length_split on, a few timed dummy runs
+then measure the backend's cost per session.run for the batcher's length-sorted runs
+(serve/batch_plan.py). `retire` lets a swapped-out engine answer what it holds, then stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from model.config import EncoderConfig
+from serve import batch_plan, logs
+from serve.attention_budget import AttentionBudget, default_budget
+from serve.backend import CUDA, Backend, OnnxRuntimeBackend, dummy_batch
+from serve.batch_plan import RunCost
+from serve.batcher import Batcher
+from serve.config import ServerConfig
+from serve.engine import Engine
+from serve.errors import BackendError
+from serve.export_dir import ExportDir, load_export
+
+log = logging.getLogger("serve.loading")
+
+BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
+RETIRE_SETTLE_S = 0.5  # after the old batcher drains, how long it still accepts stragglers
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """What a hot swap (`EncoderServer.reload`) reports: the model before and the model now serving."""
+
+    previous_sha256: str
+    sha256: str
+    model_name: str
+    model_version: str
+    load_seconds: float
+
+
+def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
+    backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
+                                 intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
+                                 instances=config.instances)
+    if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
+        from serve.faults import FaultInjectingBackend
+
+        return FaultInjectingBackend(backend, config.fault_inject)
+    return backend
+
+
+def probe(backend: Backend, export: ExportDir) -> None:
+    """One real inference at a shape warm-up may not use; refuses wrong shapes or non-finite output."""
+    config = export.config
+    rows, length = 2, min(5, config.position_limit or 5)
+    hidden, pooled = backend.encode(dummy_batch(config, rows, length))
+    want_hidden, want_pooled = (rows, length, config.d_model), (rows, config.d_model)
+    if tuple(hidden.shape) != want_hidden or tuple(pooled.shape) != want_pooled:
+        raise BackendError(
+            f"{export.graph_path}: probe inference gave shapes {list(hidden.shape)} / {list(pooled.shape)}, "
+            f"metadata.json config says {list(want_hidden)} / {list(want_pooled)}; graph and metadata do not match"
+        )
+    if not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
+        raise BackendError(f"{export.graph_path}: probe inference produced NaN or infinity")
+
+
+def run_cost_for(backend: Backend, config: EncoderConfig, server: ServerConfig) -> RunCost | None:
+    """The backend's cost per session.run for length-sorted runs (serve/batch_plan.py): pinned by
+    split_overhead_tokens, or measured with a few dummy runs; logged. None: length_split is off."""
+    if not server.length_split:
+        return None
+    if server.split_overhead_tokens >= 0:
+        cost = RunCost.for_config(config, server.split_overhead_tokens)
+    else:
+        run = batch_plan.timer(lambda rows, length: backend.encode(dummy_batch(config, rows, length)))
+        cost = batch_plan.calibrate(run, config, max_rows=server.max_batch_size)
+    logs.event(log, "run_cost", overhead_tokens=f"{cost.overhead_tokens:.1f}",
+               attention_width=f"{cost.attention_width:.0f}")
+    return cost
+
+
+def auto_graphs(device: str) -> tuple[str, ...]:
+    """What graph "auto" prefers (else fp32): the fastest variant within fp32's parity bound."""
+    import onnxruntime as ort
+
+    cuda = device == "cuda" or (device == "auto" and CUDA in ort.get_available_providers())
+    return ("fp16",) if cuda else ("optimized",)
+
+
+def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_factory: BackendFactory,
+                 observe: Callable[..., None] | None = None) -> tuple[Engine, float]:
+    """A started engine for `export_dir` that passed every check, and its warm-up seconds."""
+    export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
+    backend = backend_factory(export, config)
+    budget = AttentionBudget(export.config, backend.info.paths, config.max_attention_bytes or default_budget())
+    warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
+    backend.health()
+    probe(backend, export)
+    run_cost = run_cost_for(backend, export.config, config)
+    batcher = Batcher(
+        backend, export.config,
+        max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
+        max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
+        observe=observe, run_cost=run_cost, budget=budget, instances=config.instances,
+    )
+    engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
+    batcher.start()
+    return engine, warm_s
+
+
+def retire(engine: Engine, grace_s: float) -> threading.Thread:
+    """Lets a swapped-out engine answer what it holds, then stops it (in a background thread)."""
+
+    def run() -> None:
+        started = time.monotonic()
+        drained = engine.batcher.drain(grace_s)
+        time.sleep(RETIRE_SETTLE_S)  # a handler that fetched the old engine just before the swap
+        drained = engine.batcher.drain(grace_s) and drained
+        engine.batcher.stop(0)
+        logs.event(log, "model_retired", sha256=engine.export.sha256[:12], drained=drained,
+                   retire_s=f"{time.monotonic() - started:.3f}")
+
+    thread = threading.Thread(target=run, name="retire-model", daemon=True)
+    thread.start()
+    return thread
