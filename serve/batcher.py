@@ -113,6 +113,7 @@ class Batcher:
         self._closed = False
         self._stopping = False
         self._running: dict[int, list[Ticket]] = {}  # worker -> the batch it runs
+        self._alone: dict[int, bool] = {}  # worker -> its batch started with no other running or queued
         # one worker per batch that may run at once (ServerConfig.instances), all on the one backend
         self._threads = [threading.Thread(target=self._run, args=(worker,), name=f"batcher-{worker}", daemon=True)
                          for worker in range(max(1, instances))]
@@ -217,6 +218,8 @@ class Batcher:
                 rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
             if batch:
                 self._running[worker] = batch
+                # alone: no other batch runs and none waits, so it may use every CPU (Backend.has_wide)
+                self._alone[worker] = len(self._running) == 1 and not self._queue
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
             return batch
@@ -228,30 +231,31 @@ class Batcher:
                 return
             try:
                 if batch:
-                    self._run_batch(batch)
+                    self._run_batch(batch, worker)
             except BaseException as error:  # never leave a ticket waiting
                 logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
                            requests=len(batch))
-                self._isolate([t for t in batch if not t.done()], error)
+                self._isolate([t for t in batch if not t.done()], error, worker)
             finally:
                 with self._cond:
                     self._running.pop(worker, None)
+                    self._alone.pop(worker, None)
                     self._cond.notify_all()
 
-    def _isolate(self, batch: list[Ticket], error: BaseException) -> None:
+    def _isolate(self, batch: list[Ticket], error: BaseException, worker: int = 0) -> None:
         """After a failed batch, runs each request alone: only the one that fails gets the error."""
         if len(batch) == 1:
             batch[0]._finish(error=_wrap(error))
             return
         for ticket in batch:
             try:
-                self._run_batch([ticket])
+                self._run_batch([ticket], worker)
             except BaseException as alone:  # this request fails by itself: it alone gets INTERNAL
                 logs.event(log, "request_failed_alone", logging.ERROR, error=f"{type(alone).__name__}: {alone}")
                 if not ticket.done():
                     ticket._finish(error=_wrap(alone))
 
-    def _run_batch(self, batch: list[Ticket]) -> None:
+    def _run_batch(self, batch: list[Ticket], worker: int = 0) -> None:
         """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/batch_plan.py)
         when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
         has run, so short requests in a mixed batch come back first."""
@@ -271,7 +275,12 @@ class Batcher:
             length = max(row.length for row in rows)
             feeds = pad_batch(rows, length, self.config, path)
             started = time.monotonic()
-            hidden, pooled = self.backend.encode(feeds) if path == DENSE else self.backend.encode(feeds, path)
+            if path != DENSE:
+                hidden, pooled = self.backend.encode(feeds, path)
+            elif self._alone.get(worker) and getattr(self.backend, "has_wide", False):
+                hidden, pooled = self.backend.encode(feeds, wide=True)
+            else:
+                hidden, pooled = self.backend.encode(feeds)
             inference_s = time.monotonic() - started
             finite = bool(np.isfinite(hidden).all() and np.isfinite(pooled).all())  # else: row by row
             tokens = sum(row.length for row in rows)

@@ -364,6 +364,34 @@ def test_batcher_with_two_instances_runs_two_batches_at_once_and_drains_both():
     batcher.stop(5)
 
 
+class WideBackend(CountingBackend):
+    """CountingBackend with a wide session (every CPU): records whether each run asked for it."""
+
+    has_wide = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide_calls: list[bool] = []
+
+    def encode(self, batch, path="dense", *, wide=False):
+        self.wide_calls.append(wide)
+        return super().encode(batch)
+
+
+def test_a_batch_that_runs_alone_gets_every_cpu_and_one_beside_another_gets_its_share():
+    backend = WideBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0, instances=2)
+    first = _submit(batcher, [1])
+    assert backend.entered.wait(5)  # alone: nothing else running or queued
+    second = _submit(batcher, [2])
+    assert backend.both_inside.wait(5)  # runs beside `first`
+    backend.release.set()
+    first.wait(5), second.wait(5)
+    assert backend.wide_calls == [True, False]
+    batcher.stop(5)
+
+
 def test_batcher_abandon_covers_every_running_instance():
     backend = CountingBackend()
     backend.release.clear()
@@ -390,6 +418,17 @@ def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir)
     for instances in (1, 2):
         backend = OnnxRuntimeBackend(load_export(serve_export_dir), instances=instances)
         assert backend.session.get_session_options().intra_op_num_threads == max(1, cpus // instances)
+        # a second, wide session (every CPU) for batches that run alone, only where instances split the CPUs
+        assert backend.has_wide == (max(1, cpus // instances) < cpus)
+        if backend.has_wide:
+            assert backend.wide.get_session_options().intra_op_num_threads == cpus
+            ids = np.array([[5, 6, 7]], np.int64)
+            feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "mask_kind": np.zeros(1, np.int64),
+                     "mask_causal": np.zeros(1, bool), "mask_window": np.zeros(1, np.int64),
+                     "mask_step": np.ones(1, np.int64), "custom_mask": np.ones((1, 3, 3), bool)}
+            feeds = {name: feeds[name] for name in (i.name for i in backend.session.get_inputs())}
+            for narrow, wide in zip(backend.encode(feeds), backend.encode(feeds, wide=True)):
+                np.testing.assert_allclose(wide, narrow, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="instances must be >= 1"):
         ServerConfig(instances=0)
 
