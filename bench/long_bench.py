@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.report import verdicts
+
 LENGTHS = (1024, 4096, 16384, 32768)
 QUICK_LENGTHS = (256, 1024)
 # (label, model variant, mask kind, window, step, causal)
@@ -191,12 +193,7 @@ def judge(results: list[Measurement], grown: dict) -> list[dict]:
         "window128_vs_sdpa@8k": ratio("window 128", "torch-sdpa", "served"),
         "dilated8_vs_dense@8k": ratio("dilated 8", "dense", "served"),
     }
-    out = []
-    for key, text, limit, at_least in TARGETS:
-        value = values[key]
-        met = value is not None and (value >= limit if at_least else value <= limit)
-        out.append({"target": key, "description": text, "value": value, "limit": limit, "met": met})
-    return out
+    return verdicts(TARGETS, values)
 
 
 def format_table(results, grown, targets, machine, threads, device="cpu") -> str:
@@ -229,7 +226,7 @@ def format_table(results, grown, targets, machine, threads, device="cpu") -> str
         for t in targets:
             value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
             lines.append(f"  {'MET    ' if t['met'] else 'NOT MET'}  {t['description']}: {value} "
-                         f"(target {'>=' if t['limit'] and t['target'].endswith('@8k') else '<='} {t['limit']:g})")
+                         f"(target {t['direction']} {t['limit']:g})")
     return "\n".join(lines)
 
 

@@ -45,13 +45,19 @@ def judge(model_rows: list[dict], server: dict | None, matmul: float) -> list[di
             values["batching_throughput_gain@32x32"] = ratio(thr["batching_on"]["throughput_rps"],
                                                              thr["batching_off"]["throughput_rps"])
         values["rss_growth_1k_to_20k"] = mem.get("growth")
-    verdicts = []
-    for key, text, limit, at_least in TARGETS:
+    return verdicts(TARGETS, values)
+
+
+def verdicts(targets, values: dict) -> list[dict]:
+    """Each target of `targets` ((key, description, limit, at least?) tuples) judged on values[key]:
+    met True/False, or None where the value was not measured."""
+    out = []
+    for key, text, limit, at_least in targets:
         value = values.get(key)
         met = None if value is None else (value >= limit if at_least else value <= limit)
-        verdicts.append({"target": key, "description": text, "limit": limit,
-                         "direction": ">=" if at_least else "<=", "value": value, "met": met})
-    return verdicts
+        out.append({"target": key, "description": text, "limit": limit,
+                    "direction": ">=" if at_least else "<=", "value": value, "met": met})
+    return out
 
 
 def row_text(row: dict) -> str:
