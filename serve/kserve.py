@@ -206,11 +206,6 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[
     if attention.shape != (batch, length):
         raise ValidationError(f"inputs[attention_mask].shape: {list(attention.shape)} must equal the "
                               f"ids' [{batch}, {length}]")
-    if batch == 1:  # the common case: cheaper without the [B, T] comparison
-        n = int(np.count_nonzero(attention))
-        if not (np.all(attention[0, :n] == 1) and np.all(attention[0, n:] == 0)):
-            raise ValidationError("inputs[attention_mask][0]: must be 1s then 0s (right padding)")
-        return [n]
     lengths = np.count_nonzero(attention, axis=1)
     right_padded = attention == (np.arange(length) < lengths[:, None])  # 1s then 0s, nothing else
     if not right_padded.all():
