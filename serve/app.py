@@ -33,12 +33,15 @@ from serve.engine import Engine
 from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
 from serve.loading import BackendFactory, Reloaded, build_engine, default_backend, retire
 from serve.metrics import Metrics
+from serve.native_lane import NativeLane
 from serve.pb import pb, pb_grpc
 from serve.servicer import EncoderServicer
 
 log = logging.getLogger("serve.app")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
+NOT_SERVING = "; not serving (health NOT_SERVING), retry later or on another replica"
+DRAINING = "server is shutting down" + NOT_SERVING  # what a call arriving during a drain is told
 ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abandoned calls to go out
 
 
@@ -87,6 +90,10 @@ class EncoderServer:
         address = f"{config.host}:{config.port}"
         self.port = (self.grpc.add_insecure_port(address) if credentials is None
                      else self.grpc.add_secure_port(address, credentials))
+        self.lane: NativeLane | None = None  # the native KServe v2 lane, on its own port (serve/native_lane.py)
+        if config.kserve_native_port >= 0:
+            self.lane = NativeLane(f"{config.host}:{config.kserve_native_port}", self._serving_engine, self.admit,
+                                   self.metrics, hard_limit, config.instances)
 
     # -- state -------------------------------------------------------------------------------
     def engine(self) -> Engine:
@@ -94,8 +101,12 @@ class EncoderServer:
         if state != "serving" or engine is None:
             reason = {"draining": "server is shutting down", "stopped": "server stopped"}.get(
                 state, "model is loading")
-            raise Unavailable(f"{reason}; not serving (health NOT_SERVING), retry later or on another replica")
+            raise Unavailable(f"{reason}{NOT_SERVING}")
         return engine
+
+    def _serving_engine(self) -> Engine | None:
+        """The engine while serving or draining (what admitted calls still run on); None otherwise."""
+        return self._engine if self._state in ("serving", "draining") else None
 
     def admit(self, context: grpc.ServicerContext | None = None,
               on_drain: Callable[[], None] | None = None) -> Engine:
@@ -161,9 +172,11 @@ class EncoderServer:
         if self.config.port_file:
             path = Path(self.config.port_file)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
+            tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
+                                       "kserve_native_port": self.lane.port if self.lane else None}))
             os.replace(tmp, path)
-        logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port)
+        logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port,
+                   kserve_native_port=self.lane.port if self.lane else None)
 
     def load(self) -> None:
         """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
@@ -180,6 +193,8 @@ class EncoderServer:
                 return
             self._engine = engine
             self._state = "serving"
+        if self.lane is not None:
+            self.lane.configure(engine)
         self._set_health(True)
         self.metrics.ready.set(1)
         logs.event(log, "serving", model=export.name, sha256=export.sha256[:12], graph=export.graph,
@@ -217,6 +232,8 @@ class EncoderServer:
             if not self._swap_engine(old, new):
                 new.batcher.stop(0)
                 raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")
+            if self.lane is not None:
+                self.lane.configure(new)
             load_s = time.monotonic() - started
             logs.event(log, "model_swapped", previous=old.export.sha256[:12], sha256=new.export.sha256[:12],
                        model=new.export.name, warmup_s=f"{warm_s:.3f}", load_s=f"{load_s:.3f}")
@@ -259,19 +276,26 @@ class EncoderServer:
             hooks = list(self._drain_hooks)
         for hook in hooks:  # open streams end (UNAVAILABLE) once they have answered what they sent
             hook()
-        drained = self._wait_calls(end)
+        # the native lane refuses new calls from now on and answers what it holds (serve/native_lane.py)
+        lane_drained = self.lane is None or self.lane.drain(DRAINING, end - time.monotonic())
+        drained = self._wait_calls(end) and lane_drained
         abandoned = 0
         if not drained:
+            late = (f"server is shutting down and its grace period ({grace:g} s) ran out before this request "
+                    f"finished; it was not answered, retry it on another replica")
             with self._calls:
                 abandoned = self._in_flight
+            if self.lane is not None:
+                abandoned = max(abandoned, self.lane.in_flight())
+                self.lane.abandon(late)
             logs.event(log, "drain_timeout", logging.WARNING, abandoned=abandoned, grace_s=grace)
             if engine is not None:
-                engine.batcher.abandon(Unavailable(
-                    f"server is shutting down and its grace period ({grace:g} s) ran out before this request "
-                    f"finished; it was not answered, retry it on another replica"))
+                engine.batcher.abandon(Unavailable(late))
             self._wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
         self._wait_quiet(end)
         # Nothing we admitted is left running; stop() only closes the listener and the connections.
+        if self.lane is not None:
+            self.lane.stop()
         self.grpc.stop(ABANDON_S).wait()
         if engine is not None:
             engine.batcher.stop(0)

@@ -104,6 +104,13 @@ def _tolerant(deserializer):
     return deserialize
 
 
+def malformed(method: str):
+    """The error for bytes that do not parse as `method`'s request (also the native lane's, serve/native_lane.py)."""
+    from serve.errors import ValidationError
+
+    return ValidationError(f"request: the bytes are not a valid protobuf request for {method}")
+
+
 class MalformedRequestInterceptor(grpc.ServerInterceptor):
     """Bytes that do not parse as the method's request message get INVALID_ARGUMENT naming the
     method (through serve.errors.to_status), not gRPC's generic INTERNAL "Exception deserializing"."""
@@ -127,10 +134,9 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
 
     @staticmethod
     def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        from serve.errors import ValidationError, to_status
+        from serve.errors import to_status
 
-        status = to_status(ValidationError(
-            f"request: the bytes are not a valid protobuf request for {method}"))
+        status = to_status(malformed(method))
         deserialize = _tolerant(handler.request_deserializer)
         if not handler.request_streaming:
             behaviour = handler.unary_unary or handler.unary_stream

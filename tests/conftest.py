@@ -94,6 +94,7 @@ class ServeProcess:
     port: int
     metrics_port: int | None
     log_path: Path
+    kserve_native_port: int | None = None  # --kserve-native-port (serve/native_lane.py)
 
     @property
     def target(self) -> str:
@@ -155,7 +156,7 @@ def serve_start(tmp_path_factory):
                 raise TimeoutError(f"no port file after {timeout}s:\n{log_path.read_text()}")
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path)
+        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("kserve_native_port"))
         started.append(server)
         if wait:
             _wait_serving(server.target, max(1.0, end - time.monotonic()))

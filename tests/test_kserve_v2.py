@@ -1,5 +1,9 @@
 """The KServe v2 / Open Inference Protocol endpoint, driven by the real tritonclient.grpc client
-against `python -m serve` in a subprocess: same numbers as Encode, mask choice as parameters."""
+against `python -m serve` in a subprocess: same numbers as Encode, mask choice as parameters.
+
+Every test that calls the endpoint runs twice: on the Python port (serve/kserve.py) and on the native
+lane's port (`--kserve-native-port`, serve/native_lane.py), which must behave the same in every respect
+the protocol shows (numbers, errors, metrics, parameters)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from model.mask_kinds import MaskKind  # noqa: E402
+from serve.native_lane import missing_reason  # noqa: E402
+
+NATIVE_MISSING = missing_reason()  # None where the lane is built (make native)
+LANES = ["python", pytest.param("native", marks=pytest.mark.skipif(NATIVE_MISSING is not None,
+                                                                    reason=str(NATIVE_MISSING)))]
 
 ATOL, RTOL = 1e-5, 1e-5  # same server, same graph: v2 and Encode agree to float noise
 REF_ATOL = 1e-4  # vs PyTorch: the export's fp32 tolerance
@@ -19,12 +28,18 @@ REF_ATOL = 1e-4  # vs PyTorch: the export's fp32 tolerance
 
 @pytest.fixture(scope="module")
 def server(serve_start, serve_export_dir):
-    return serve_start(serve_export_dir)
+    return serve_start(serve_export_dir, *(("--kserve-native-port", "0") if NATIVE_MISSING is None else ()))
+
+
+@pytest.fixture(scope="module", params=LANES)
+def target(request, server) -> str:
+    """The v2 endpoint: the Python port, or the native lane's."""
+    return server.target if request.param == "python" else f"127.0.0.1:{server.kserve_native_port}"
 
 
 @pytest.fixture(scope="module")
-def v2(server):
-    client = grpcclient.InferenceServerClient(url=server.target)
+def v2(target):
+    client = grpcclient.InferenceServerClient(url=target)
     yield client
     client.close()
 
@@ -204,12 +219,12 @@ def test_texts_to_a_model_without_tokenizer_is_an_unknown_input(v2):
 
 
 # --- ambiguous, over-ranked and oversized v2 requests, sent as raw protobuf (tritonclient cannot) ---
-def _v2_call(server, request):
+def _v2_call(target, request):
     import grpc
 
     from serve.kserve import M
 
-    with grpc.insecure_channel(server.target) as channel:
+    with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                                    request_serializer=M["ModelInferRequest"].SerializeToString,
                                    response_deserializer=M["ModelInferResponse"].FromString)
@@ -274,11 +289,11 @@ V2_BAD["values in another datatype's field"][0].inputs[0].contents.fp32_contents
 
 
 @pytest.mark.parametrize("name", sorted(V2_BAD))
-def test_ambiguous_over_ranked_or_oversized_v2_requests_are_invalid_argument_naming_the_input(server, name):
+def test_ambiguous_over_ranked_or_oversized_v2_requests_are_invalid_argument_naming_the_input(server, target, name):
     from serve.errors import MAX_MESSAGE_BYTES
 
     request, words = V2_BAD[name]
-    code, details, _ = _v2_call(server, request)
+    code, details, _ = _v2_call(target, request)
     assert code == "INVALID_ARGUMENT", (code, details[:300])
     assert words in details, details[:300]
     assert len(details.encode()) <= MAX_MESSAGE_BYTES + 64

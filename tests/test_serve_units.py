@@ -608,3 +608,24 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env=repo_env())
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+@pytest.mark.parametrize("type_vocab_size", [0, 2])
+def test_default_mask_feeds_equal_pad_batch_for_rows_with_the_default_mask(type_vocab_size):
+    """The native lane builds a batch's graph inputs from one padded id array (serve/native_lane.py);
+    they must be what the batcher's pad_batch builds from Rows of the default (bidirectional) mask."""
+    from serve.core import Row, default_mask_feeds, pad_batch
+
+    config = EncoderConfig(vocab_size=50, type_vocab_size=type_vocab_size)
+    lengths = np.array([5, 2, 7])
+    ids = np.full((3, 7), config.pad_token_id, np.int64)
+    rows = []
+    for b, n in enumerate(lengths):
+        ids[b, :n] = np.arange(1, n + 1) + b
+        rows.append(Row(ids[b, :n].copy(), int(MaskKind.BIDIRECTIONAL), False, 0, 1, None))
+    expected = pad_batch(rows, 7, config)
+    got = default_mask_feeds(ids, lengths, config)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
