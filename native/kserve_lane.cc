@@ -221,6 +221,7 @@ class Lane {
     Settings s;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      last_arrival_ = Clock::now();
       if (refusing_) return refuse(reactor);
       s = settings_;  // a copy: configure() may swap it (reload) meanwhile
     }
@@ -266,7 +267,15 @@ class Lane {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
+      last_arrival_ = Clock::now();
       if (refusing_) return refuse(reactor);
+      const int64_t waiting = static_cast<int64_t>(slow_.size());
+      if (settings_.max_queue > 0 && waiting >= settings_.max_queue) {  // bounded, as the batcher's queue
+        reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                     "queue full: " + std::to_string(waiting) + " requests waiting (max_queue_size=" +
+                                         std::to_string(settings_.max_queue) + ")"));  // serve/batcher.py's words
+        return reactor;
+      }
       ++in_flight_;
       slow_.push_back(std::move(call));
     }
@@ -522,6 +531,21 @@ class Lane {
     return drained_.wait_for(lock, std::chrono::duration<double>(timeout), [&] { return in_flight_ == 0; });
   }
 
+  // Waits until no call has arrived for `quiet` s, or for `timeout` s at most: stop() cancels what
+  // gRPC holds unanswered, so the listener closes only once callers have stopped coming (the calls
+  // arriving meanwhile are refused UNAVAILABLE), as serve/app.py's drain_quiet_ms on the main port.
+  void wait_quiet(double quiet, double timeout) {
+    py::gil_scoped_release unlocked;
+    const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout));
+    const auto gap = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(quiet));
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      const auto wake = std::min(last_arrival_ + gap, until);
+      if (Clock::now() >= wake) return;
+      drained_.wait_until(lock, wake);
+    }
+  }
+
   // Answers every call not yet answered with UNAVAILABLE `message`; the number of them.
   int64_t abandon(const std::string& message) {
     py::gil_scoped_release unlocked;
@@ -694,6 +718,7 @@ class Lane {
   Settings settings_;
   std::string refusal_ = "server is shutting down";
   int64_t next_handle_ = 0;
+  Clock::time_point last_arrival_ = Clock::time_point::min();
   int64_t in_flight_ = 0;
   bool refusing_ = false;
   bool stopped_ = false;
@@ -741,6 +766,7 @@ PYBIND11_MODULE(_kserve_lane, m) {
            py::arg("payload"))
       .def("drain", &Lane::drain)
       .def("abandon", &Lane::abandon)
+      .def("wait_quiet", &Lane::wait_quiet, py::arg("quiet"), py::arg("timeout"))
       .def("in_flight", &Lane::in_flight)
       .def("queued", &Lane::queued)
       .def("stop", &Lane::stop, py::arg("grace"));

@@ -295,6 +295,7 @@ class EncoderServer:
         self._wait_quiet(end)
         # Nothing we admitted is left running; stop() only closes the listener and the connections.
         if self.lane is not None:
+            self.lane.wait_quiet(self.config.drain_quiet_ms / 1e3, end - time.monotonic())
             self.lane.stop()
         self.grpc.stop(ABANDON_S).wait()
         if engine is not None:

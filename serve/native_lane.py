@@ -269,6 +269,10 @@ class NativeLane:
         """New calls get UNAVAILABLE `message`; True once every admitted call is answered within `timeout`."""
         return self._lane.drain(message, max(0.0, timeout))
 
+    def wait_quiet(self, quiet: float, timeout: float) -> None:
+        """Until no call has reached the lane for `quiet` s (or `timeout` s passed)."""
+        self._lane.wait_quiet(quiet, max(0.0, timeout))
+
     def abandon(self, message: str) -> int:
         return self._lane.abandon(message)
 
