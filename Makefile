@@ -26,9 +26,9 @@ proto: setup
 # The native KServe v2 lane (serve/native_lane.py, --kserve-native-port) is C++ on gRPC C++ from
 # Debian. Where it is missing and this runs as root with apt (CI, a fresh machine), it is installed;
 # elsewhere the build says what is missing and the lane's tests skip. In CI a missing lane fails.
-NATIVE_DEBS := libgrpc++-dev protobuf-compiler-grpc pkg-config
+NATIVE_DEBS := g++ libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc pkg-config
 native-deps:
-	@if ! pkg-config --exists grpc++ protobuf 2>/dev/null || ! command -v grpc_cpp_plugin >/dev/null; then \
+	@if ! pkg-config --exists grpc++ protobuf 2>/dev/null || ! command -v grpc_cpp_plugin >/dev/null || ! command -v g++ >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing $(NATIVE_DEBS) (Debian) for the native lane"; \
 	    apt-get install -y -q --no-install-recommends $(NATIVE_DEBS) >/dev/null 2>&1 || \

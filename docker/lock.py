@@ -1,6 +1,6 @@
 """Resolve docker/requirements-*.in into hashed locks docker/requirements-*.txt with pip alone.
 
-    python docker/lock.py            # all four locks
+    python docker/lock.py            # all the locks
     python docker/lock.py serve-cpu  # one
 
 pip-compile style without pip-tools: `pip install --dry-run --ignore-installed --report` resolves for
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LOCKS = ("serve-cpu", "serve-gpu", "protogen", "export")
+LOCKS = ("serve-cpu", "serve-gpu", "protogen", "native", "export")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64", "linux_x86_64", "any")

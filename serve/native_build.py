@@ -26,7 +26,7 @@ SOURCE = ROOT / "native" / "kserve_lane.cc"
 PROTO = ROOT / "protos" / "kserve" / "v2" / "grpc_predict_v2.proto"
 OUT_DIR = Path(__file__).resolve().parent / "_native"
 MODULE = "_kserve_lane"
-DEBIAN_PACKAGES = "libgrpc++-dev protobuf-compiler-grpc pkg-config"
+DEBIAN_PACKAGES = "g++ libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc pkg-config"
 
 
 def module_path() -> Path:
@@ -38,6 +38,8 @@ def missing() -> list[str]:
     lacks = [tool for tool in ("g++", "pkg-config", "protoc", "grpc_cpp_plugin") if shutil.which(tool) is None]
     if not lacks and subprocess.run(["pkg-config", "--exists", "grpc++", "protobuf"]).returncode != 0:
         lacks.append("pkg-config packages grpc++ and protobuf")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        lacks.append(f"the Python headers (Python.h in {sysconfig.get_paths()['include']}; Debian: libpython3-dev)")
     try:
         import pybind11  # noqa: F401
     except ImportError:
