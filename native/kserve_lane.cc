@@ -79,7 +79,6 @@ struct Slow {  // any other call, for Python
   grpc::ByteBuffer* response;
   std::string method;
   std::string payload;
-  Clock::time_point arrived;
 };
 
 struct Handed {  // a batch that Python is running
@@ -260,7 +259,6 @@ class Lane {
     call->reactor = reactor;
     call->response = r;
     call->method = method;
-    call->arrived = Clock::now();
     std::vector<grpc::Slice> slices;
     if (q->Dump(&slices).ok()) {
       for (const auto& slice : slices) call->payload.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
@@ -365,28 +363,24 @@ class Lane {
     return py::make_tuple(handle, ids, lengths, pooling, normalize, queued);
   }
 
-  // Answers batch `handle`: hidden float32 [B, >=T, D] (rows cut at their own length; None when no
-  // request asked for it), embeddings float32 [B, D] (pooled and normalised per row; None likewise),
-  // and per row the rows and padded length of the session.run that computed it.
-  // Returns the seconds from each request's arrival to its answer (for the latency metric).
-  py::object complete(int64_t handle, py::object hidden_obj, py::object emb_obj, py::array_t<int64_t> run_rows,
+  // Answers batch `handle` from hidden float32 [B, >=T, D] (each row read up to its own length) and
+  // embeddings float32 [B, D] (pooled and normalised per row), and per row the rows and padded length
+  // of the session.run that computed it. Returns the seconds from each request's arrival to its
+  // answer (for the latency metric); None when a drain abandoned the batch meanwhile.
+  using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
+  py::object complete(int64_t handle, Floats hidden, Floats emb, py::array_t<int64_t> run_rows,
                       py::array_t<int64_t> run_length) {
     Handed batch;
-    if (!take(handle, &batch)) return py::none();  // abandoned by a drain meanwhile
-    py::array_t<float, py::array::c_style | py::array::forcecast> hidden, emb;
-    const bool has_hidden = !hidden_obj.is_none(), has_emb = !emb_obj.is_none();
-    if (has_hidden) hidden = hidden_obj.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-    if (has_emb) emb = emb_obj.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-    if (run_rows.size() != batch.rows || run_length.size() != batch.rows ||
-        (has_hidden && (hidden.ndim() != 3 || hidden.shape(0) != batch.rows || hidden.shape(1) < batch.length)) ||
-        (has_emb && (emb.ndim() != 2 || emb.shape(0) != batch.rows))) {
+    if (!take(handle, &batch)) return py::none();
+    if (run_rows.size() != batch.rows || run_length.size() != batch.rows || hidden.ndim() != 3 ||
+        hidden.shape(0) != batch.rows || hidden.shape(1) < batch.length || emb.ndim() != 2 ||
+        emb.shape(0) != batch.rows || emb.shape(1) != hidden.shape(2)) {
       fail_all(&batch, grpc::StatusCode::INTERNAL, "native lane: outputs do not match the batch");
       throw std::invalid_argument("complete(): outputs do not match the batch");
     }
-    const float* hd = has_hidden ? hidden.data() : nullptr;
-    const float* ed = has_emb ? emb.data() : nullptr;
-    const int64_t hidden_width = has_hidden ? hidden.shape(1) : 0;
-    const int64_t d = has_hidden ? hidden.shape(2) : (has_emb ? emb.shape(1) : 0);
+    const float* hd = hidden.data();
+    const float* ed = emb.data();
+    const int64_t hidden_width = hidden.shape(1), d = hidden.shape(2);
     const int64_t* rr = run_rows.data();
     const int64_t* rl = run_length.data();
     std::string provider, model;
@@ -403,22 +397,19 @@ class Lane {
       size_t index = 0;
       for (auto& call : batch.calls) {
         Fast& c = *call;
-        ModelInferResponse message;
-        ModelInferResponse* out = &message;
-        out->set_model_name(model);
-        out->set_model_version("1");
-        out->set_id(c.id);
-        bool ok = true;
+        ModelInferResponse out;
+        out.set_model_name(model);
+        out.set_model_version("1");
+        out.set_id(c.id);
         for (int which : c.outputs) {
-          auto* tensor = out->add_outputs();
+          auto* tensor = out.add_outputs();
           tensor->set_datatype("FP32");
-          std::string* raw = out->add_raw_output_contents();
+          std::string* raw = out.add_raw_output_contents();
           if (which == HIDDEN) {
             tensor->set_name("last_hidden_state");
             tensor->add_shape(c.rows);
             tensor->add_shape(c.width);
             tensor->add_shape(d);
-            if (!hd) { ok = false; break; }
             raw->assign(static_cast<size_t>(c.rows * c.width * d) * sizeof(float), '\0');
             for (int64_t r = 0; r < c.rows; ++r) {
               std::memcpy(&(*raw)[static_cast<size_t>(r * c.width * d) * sizeof(float)],
@@ -428,7 +419,6 @@ class Lane {
             tensor->set_name("embeddings");
             tensor->add_shape(c.rows);
             tensor->add_shape(d);
-            if (!ed) { ok = false; break; }
             raw->assign(reinterpret_cast<const char*>(ed + row * d), static_cast<size_t>(c.rows * d) * sizeof(float));
           }
         }
@@ -437,20 +427,18 @@ class Lane {
         for (int64_t r = 0; r < c.rows; ++r) {
           if (c.lengths[r] > c.lengths[longest - row]) longest = row + r;
         }
-        auto& params = *out->mutable_parameters();
+        auto& params = *out.mutable_parameters();
         params["batch_size"].set_int64_param(rr[longest]);
         params["batch_sequence_length"].set_int64_param(rl[longest]);
         params["execution_provider"].set_string_param(provider);
         bool own = false;
-        if (ok) ok = grpc::SerializationTraits<ModelInferResponse>::Serialize(message, c.response, &own).ok();
+        const bool ok = grpc::SerializationTraits<ModelInferResponse>::Serialize(out, c.response, &own).ok();
         ps[index++] = std::chrono::duration<double>(Clock::now() - c.arrived).count();
         c.reactor->Finish(ok ? grpc::Status::OK
-                             : grpc::Status(grpc::StatusCode::INTERNAL, "native lane: an output was not computed"));
+                             : grpc::Status(grpc::StatusCode::INTERNAL, "native lane: response not serialised"));
         row += c.rows;
       }
-      std::lock_guard<std::mutex> lock(mu_);
-      in_flight_ -= static_cast<int64_t>(batch.calls.size());
-      drained_.notify_all();
+      answered(static_cast<int64_t>(batch.calls.size()));
     }
     return seconds;
   }
@@ -491,12 +479,6 @@ class Lane {
     return py::make_tuple(handle, method, payload, remaining);
   }
 
-  bool slow_cancelled(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = slow_handed_.find(handle);
-    return it == slow_handed_.end() || it->second->ctx->IsCancelled();
-  }
-
   // code 0: `payload` is the serialised response; otherwise the call fails with (code, message).
   void finish_slow(int64_t handle, int code, const std::string& message, const std::string& payload) {
     std::unique_ptr<Slow> call;
@@ -515,9 +497,7 @@ class Lane {
       *call->response = grpc::ByteBuffer(&slice, 1);
     }
     call->reactor->Finish(status);
-    std::lock_guard<std::mutex> lock(mu_);
-    --in_flight_;
-    drained_.notify_all();
+    answered(1);
   }
 
   // -- drain -------------------------------------------------------------------------------
@@ -549,20 +529,8 @@ class Lane {
   // Answers every call not yet answered with UNAVAILABLE `message`; the number of them.
   int64_t abandon(const std::string& message) {
     py::gil_scoped_release unlocked;
-    std::unique_lock<std::mutex> lock(mu_);
-    const grpc::Status status(grpc::StatusCode::UNAVAILABLE, message);
-    int64_t n = 0;
-    for (auto& c : fast_) { c->reactor->Finish(status); ++n; }
-    for (auto& c : slow_) { c->reactor->Finish(status); ++n; }
-    for (auto& [h, batch] : handed_) for (auto& c : batch.calls) { c->reactor->Finish(status); ++n; }
-    for (auto& [h, c] : slow_handed_) { c->reactor->Finish(status); ++n; }
-    fast_.clear();
-    slow_.clear();
-    handed_.clear();
-    slow_handed_.clear();
-    in_flight_ -= n;
-    drained_.notify_all();
-    return n;
+    std::lock_guard<std::mutex> lock(mu_);
+    return finish_all_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, message));
   }
 
   int64_t in_flight() {
@@ -587,8 +555,11 @@ class Lane {
     fast_ready_.notify_all();
     slow_ready_.notify_all();
     if (server) {
-      abandon_unlocked_for_stop();
-      auto release = std::make_unique<py::gil_scoped_release>();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        finish_all_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "server stopped"));
+      }
+      py::gil_scoped_release unlocked;
       server->Shutdown(std::chrono::system_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(grace * 1e6)));
       server->Wait();
@@ -601,9 +572,8 @@ class Lane {
     return reactor;
   }
 
-  void abandon_unlocked_for_stop() {
-    const grpc::Status status(grpc::StatusCode::UNAVAILABLE, "server stopped");
-    std::lock_guard<std::mutex> lock(mu_);
+  // Answers every call queued or handed to Python with `status` (mu_ held); the number of them.
+  int64_t finish_all_locked(const grpc::Status& status) {
     int64_t n = 0;
     for (auto& c : fast_) { c->reactor->Finish(status); ++n; }
     for (auto& c : slow_) { c->reactor->Finish(status); ++n; }
@@ -614,6 +584,14 @@ class Lane {
     handed_.clear();
     slow_handed_.clear();
     in_flight_ -= n;
+    drained_.notify_all();
+    return n;
+  }
+
+  void answered(int64_t n) {  // n calls finished: what a drain waits for
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_ -= n;
+    drained_.notify_all();
   }
 
   bool take(int64_t handle, Handed* out) {
@@ -627,9 +605,7 @@ class Lane {
 
   void fail_all(Handed* batch, grpc::StatusCode code, const std::string& message) {
     for (auto& c : batch->calls) c->reactor->Finish(grpc::Status(code, message));
-    std::lock_guard<std::mutex> lock(mu_);
-    in_flight_ -= static_cast<int64_t>(batch->calls.size());
-    drained_.notify_all();
+    answered(static_cast<int64_t>(batch->calls.size()));
   }
 
   // The happy path of serve/kserve.py's request_from_v2, recognised without error messages: any
@@ -724,26 +700,19 @@ class Lane {
   bool stopped_ = false;
 };
 
-grpc::ServerUnaryReactor* Service::ServerLive(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
-                                      grpc::ByteBuffer* r) {
-  return lane_->slow(c, c->DefaultReactor(), "ServerLive", q, r);
-}
-grpc::ServerUnaryReactor* Service::ServerReady(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
-                                      grpc::ByteBuffer* r) {
-  return lane_->slow(c, c->DefaultReactor(), "ServerReady", q, r);
-}
-grpc::ServerUnaryReactor* Service::ModelReady(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
-                                      grpc::ByteBuffer* r) {
-  return lane_->slow(c, c->DefaultReactor(), "ModelReady", q, r);
-}
-grpc::ServerUnaryReactor* Service::ServerMetadata(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
-                                      grpc::ByteBuffer* r) {
-  return lane_->slow(c, c->DefaultReactor(), "ServerMetadata", q, r);
-}
-grpc::ServerUnaryReactor* Service::ModelMetadata(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
-                                      grpc::ByteBuffer* r) {
-  return lane_->slow(c, c->DefaultReactor(), "ModelMetadata", q, r);
-}
+// The other v2 methods go to Python whole.
+#define LANE_SLOW_METHOD(NAME)                                                                     \
+  grpc::ServerUnaryReactor* Service::NAME(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q, \
+                                          grpc::ByteBuffer* r) {                                      \
+    return lane_->slow(c, c->DefaultReactor(), #NAME, q, r);                                          \
+  }
+LANE_SLOW_METHOD(ServerLive)
+LANE_SLOW_METHOD(ServerReady)
+LANE_SLOW_METHOD(ModelReady)
+LANE_SLOW_METHOD(ServerMetadata)
+LANE_SLOW_METHOD(ModelMetadata)
+#undef LANE_SLOW_METHOD
+
 grpc::ServerUnaryReactor* Service::ModelInfer(grpc::CallbackServerContext* c, const grpc::ByteBuffer* q,
                                               grpc::ByteBuffer* r) {
   return lane_->infer(c, q, r);
@@ -761,7 +730,6 @@ PYBIND11_MODULE(_kserve_lane, m) {
       .def("complete", &Lane::complete)
       .def("fail", &Lane::fail)
       .def("next_slow", &Lane::next_slow, py::arg("timeout"))
-      .def("slow_cancelled", &Lane::slow_cancelled)
       .def("finish_slow", &Lane::finish_slow, py::arg("handle"), py::arg("code"), py::arg("message"),
            py::arg("payload"))
       .def("drain", &Lane::drain)

@@ -112,9 +112,14 @@ class AttentionBudget:
                     return True
             return False
 
-        low, high = 0, MAX_SEQUENCE
-        while low < high:  # the largest length that fits (lengths that fit form a prefix)
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid - 1)
-        return low
+        return longest(fits, MAX_SEQUENCE)
+
+
+def longest(fits, high: int) -> int:
+    """The largest length in [0, high] that `fits` (the lengths that fit form a prefix)."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 

@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 from model.attention_paths import DENSE, RowMask, attention_bytes
 from model.mask_kinds import MaskKind
 from serve import logs
+from serve.attention_budget import longest
 from serve.batch_plan import plan_runs
 from serve.core import default_mask_feeds
 from serve.engine import Engine
@@ -82,9 +83,8 @@ class LaneAbort(Exception):
 class LaneContext:
     """What serve/kserve.py's servicer uses of a grpc.ServicerContext, for a slow-path call."""
 
-    def __init__(self, remaining: float | None, cancelled: Callable[[], bool]) -> None:
+    def __init__(self, remaining: float | None) -> None:
         self._deadline = None if remaining is None else time.monotonic() + remaining
-        self._cancelled = cancelled
         self._callbacks: list[Callable[[], None]] = []
 
     def time_remaining(self) -> float | None:
@@ -93,12 +93,6 @@ class LaneContext:
     def add_callback(self, callback: Callable[[], None]) -> bool:
         self._callbacks.append(callback)
         return True
-
-    def is_active(self) -> bool:
-        return not self._cancelled()
-
-    def invocation_metadata(self):
-        return ()
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise LaneAbort(code, details)
@@ -111,15 +105,10 @@ class LaneContext:
 def fast_max_length(engine: Engine) -> int:
     """The longest row the fast path takes: within the limits, and short enough that a full batch of
     such rows (bidirectional, dense graph) fits the attention budget; longer rows take the slow path."""
-    config, server = engine.export.config, engine.server
-    rows, limit = server.max_batch_size, engine.limits.max_sequence_length
+    config, rows = engine.export.config, engine.server.max_batch_size
     mask = RowMask(MaskKind.BIDIRECTIONAL, 0, 1)
-    low, high = 0, limit
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = rows * attention_bytes(DENSE, 1, mid, mask, config) <= engine.budget.max_bytes
-        low, high = (mid, high) if fits else (low, mid - 1)
-    return low
+    return longest(lambda n: rows * attention_bytes(DENSE, 1, n, mask, config) <= engine.budget.max_bytes,
+                   engine.limits.max_sequence_length)
 
 
 class NativeLane:
@@ -247,7 +236,7 @@ class NativeLane:
             if got is None:
                 continue
             handle, method, payload, remaining = got
-            context = LaneContext(remaining, lambda: self._lane.slow_cancelled(handle))
+            context = LaneContext(remaining)
             code, message, body = 0, "", b""
             try:
                 try:

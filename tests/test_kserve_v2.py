@@ -52,12 +52,14 @@ def encoder(server):
 
 
 def infer(client, ids: np.ndarray, *, attention=None, custom=None, outputs=("last_hidden_state", "embeddings"),
-          **parameters):
-    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT64")]
-    inputs[0].set_data_from_numpy(ids.astype(np.int64))
+          dtype="INT64", **parameters):
+    """ModelInfer on the test model: ids (and attention) as `dtype` (INT64 or INT32)."""
+    numpy_dtype = np.int64 if dtype == "INT64" else np.int32
+    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), dtype)]
+    inputs[0].set_data_from_numpy(ids.astype(numpy_dtype))
     if attention is not None:
-        inputs.append(grpcclient.InferInput("attention_mask", list(attention.shape), "INT64"))
-        inputs[-1].set_data_from_numpy(attention.astype(np.int64))
+        inputs.append(grpcclient.InferInput("attention_mask", list(attention.shape), dtype))
+        inputs[-1].set_data_from_numpy(attention.astype(numpy_dtype))
     if custom is not None:
         inputs.append(grpcclient.InferInput("custom_mask", list(custom.shape), "BOOL"))
         inputs[-1].set_data_from_numpy(custom)

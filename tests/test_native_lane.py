@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from serve.config import ServerConfig  # noqa: E402
 from serve.native_lane import missing_reason  # noqa: E402
+from tests.test_kserve_v2 import _v2_call, _v2_request, infer  # noqa: E402  (the v2 helpers, one home)
 
 NATIVE_MISSING = missing_reason()
 needs_lane = pytest.mark.skipif(NATIVE_MISSING is not None, reason=str(NATIVE_MISSING))
@@ -31,18 +32,6 @@ def server(serve_start, serve_export_dir):
 
 def lane(server):
     return grpcclient.InferenceServerClient(url=f"127.0.0.1:{server.kserve_native_port}")
-
-
-def infer(client, ids: np.ndarray, attention=None, dtype="INT64", outputs=("last_hidden_state", "embeddings"),
-          **parameters):
-    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), dtype)]
-    inputs[0].set_data_from_numpy(ids.astype(np.int64 if dtype == "INT64" else np.int32))
-    if attention is not None:
-        inputs.append(grpcclient.InferInput("attention_mask", list(attention.shape), dtype))
-        inputs[-1].set_data_from_numpy(attention.astype(np.int64 if dtype == "INT64" else np.int32))
-    result = client.infer("serve-test", inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
-                          parameters=parameters or None)
-    return result
 
 
 @needs_lane
@@ -76,20 +65,11 @@ def test_concurrent_requests_share_a_batch_and_each_equals_its_row_alone(server)
 @needs_lane
 def test_typed_contents_take_the_python_path_and_agree_with_raw_ones(server):
     """Raw contents are read in C++ (fast path), typed ones by serve/kserve.py (slow path): one answer."""
-    import grpc
-
-    from serve.kserve import M
-
     ids = np.array([[5, 17, 3, 99, 42, 7]], np.int64)
     fast = infer(lane(server), ids).as_numpy("embeddings")
-    request = M["ModelInferRequest"](model_name="serve-test")
-    request.inputs.add(name="input_ids", datatype="INT64", shape=[1, 6]).contents.int64_contents.extend(ids[0])
-    request.outputs.add(name="embeddings")
-    with grpc.insecure_channel(f"127.0.0.1:{server.kserve_native_port}") as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                   request_serializer=M["ModelInferRequest"].SerializeToString,
-                                   response_deserializer=M["ModelInferResponse"].FromString)
-        response = call(request, timeout=30)
+    typed = _v2_request(("input_ids", "INT64", [1, 6], ids[0].tolist()), outputs=("embeddings",))
+    code, details, response = _v2_call(f"127.0.0.1:{server.kserve_native_port}", typed)
+    assert code == "OK", details
     slow = np.frombuffer(response.raw_output_contents[0], "<f4").reshape(1, -1)
     np.testing.assert_allclose(slow, fast, atol=ATOL, rtol=0)
 
@@ -116,8 +96,8 @@ def test_bytes_that_are_no_protobuf_are_invalid_argument_as_on_the_python_port(s
 def test_int32_ids_and_masks_equal_int64_ones(server):
     ids = np.array([[5, 6, 7, 8], [9, 10, 0, 0]])
     attention = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
-    wide = infer(lane(server), ids, attention)
-    narrow = infer(lane(server), ids, attention, dtype="INT32")
+    wide = infer(lane(server), ids, attention=attention)
+    narrow = infer(lane(server), ids, attention=attention, dtype="INT32")
     for name in ("last_hidden_state", "embeddings"):
         np.testing.assert_array_equal(narrow.as_numpy(name), wide.as_numpy(name))
     assert not narrow.as_numpy("last_hidden_state")[1, 2:].any()  # zeros at padding
