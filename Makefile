@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (README Quickstart):
 #   make run    set up, export the default model, start the gRPC server on 127.0.0.1:50051
-#   make test   set up, generate the protobuf code, build the native lane, run the whole test suite
+#   make test   set up, generate the protobuf code, build the native transport, run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 EXTRAS ?= export,serve,minilm,dev,reference
 PYTEST_ARGS ?=
 
-.PHONY: setup proto native native-deps export run test bench clean
+.PHONY: setup proto native export run test bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,23 +21,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 proto: setup
-	$(BIN)/python -m serve.protogen
+	$(BIN)/python -m tools.protogen
 
-# The native KServe v2 lane (serve/native_lane.py, --kserve-native-port) is C++ on gRPC C++ from
-# Debian. Where it is missing and this runs as root with apt (CI, a fresh machine), it is installed;
-# elsewhere the build says what is missing and the lane's tests skip. In CI a missing lane fails.
-NATIVE_DEBS := g++ libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc pkg-config
-native-deps:
-	@if ! pkg-config --exists grpc++ protobuf 2>/dev/null || ! command -v grpc_cpp_plugin >/dev/null || ! command -v g++ >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing $(NATIVE_DEBS) (Debian) for the native lane"; \
-	    apt-get install -y -q --no-install-recommends $(NATIVE_DEBS) >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(NATIVE_DEBS) >/dev/null; }; \
-	  fi; \
-	fi
-
-native: setup native-deps
-	$(BIN)/python -m serve.native_build $(if $(CI),--require)
+# The native gRPC transport (serve/transport/native.py) is C++ on gRPC C++ from Debian; its package
+# list lives in tools/native_build.py, which installs it (as root with apt) when missing. Elsewhere
+# the build says what is missing and the server runs on the grpcio transport. In CI it must build.
+native: setup
+	$(BIN)/python -m tools.native_build --install-deps $(if $(CI),--require)
 
 export: setup
 	$(BIN)/python -m export

@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Callable
 
@@ -33,9 +32,11 @@ from serve.engine import Engine
 from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
 from serve.loading import BackendFactory, Reloaded, build_engine, default_backend, retire
 from serve.metrics import Metrics
-from serve.native_lane import NativeLane
 from serve.pb import pb, pb_grpc
-from serve.servicer import EncoderServicer
+from serve.servicer import ENCODE, EncoderServicer
+from serve.transport import native
+from serve.transport.grpcio import GrpcioTransport
+from serve.transport.rpc import Registry, Router
 
 log = logging.getLogger("serve.app")
 
@@ -67,33 +68,40 @@ class EncoderServer:
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
         hard_limit = 2 * config.max_request_bytes + (1 << 20)
-        self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="grpc"),
-            options=[("grpc.max_receive_message_length", hard_limit),
-                     ("grpc.max_send_message_length", -1)],
-            interceptors=security.interceptors(config),  # bearer token (if set); malformed bytes -> INVALID_ARGUMENT
-        )
+        # Every service registers into one method table; one Router takes every call of the
+        # transport (serve/transport/): token, malformed bytes, unknown methods, then the adapters.
+        registry = Registry()
         self.health = health.HealthServicer(experimental_non_blocking=True)
-        pb_grpc.add_EncoderServiceServicer_to_server(
-            EncoderServicer(self.admit, self.metrics, config.max_request_bytes), self.grpc)
+        encoder = EncoderServicer(self.admit, self.metrics, config.max_request_bytes)
+        pb_grpc.add_EncoderServiceServicer_to_server(encoder, registry)
+        registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
         # KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md)
-        kserve.add_kserve_to_server(self.admit, self.metrics, self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        kserve.add_kserve_to_server(self.admit, self.metrics, registry)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if config.admin:  # ReloadModel (serve/admin.py); SIGHUP reloads without it
-            add_admin_to_server(self.reload, self.metrics, self.grpc)
+            add_admin_to_server(self.reload, self.metrics, registry)
             services.append(ADMIN_SERVICE_NAME)
         # the v2 messages live in their own pool (serve/kserve.py): reflection reads both
-        reflection.enable_server_reflection(tuple(services), self.grpc, pool=kserve.ReflectionPool())
+        reflection.enable_server_reflection(tuple(services), registry, pool=kserve.ReflectionPool())
         self._set_health(False)
-        credentials = security.server_credentials(config)  # None: plaintext (bind 127.0.0.1)
+        self.router = Router(registry, config.auth_token, config.workers)
+        tls = security.tls_material(config)  # None: plaintext (bind 127.0.0.1)
         address = f"{config.host}:{config.port}"
-        self.port = (self.grpc.add_insecure_port(address) if credentials is None
-                     else self.grpc.add_secure_port(address, credentials))
-        self.lane: NativeLane | None = None  # the native KServe v2 lane, on its own port (serve/native_lane.py)
-        if config.kserve_native_port >= 0:
-            self.lane = NativeLane(f"{config.host}:{config.kserve_native_port}", self._serving_engine, self.admit,
-                                   self.metrics, hard_limit, config.instances)
+        self.transport = self._transport(config, address, registry, hard_limit, tls)
+        self.port = self.transport.port
+
+    def _transport(self, config: ServerConfig, address: str, registry: Registry, hard_limit: int, tls):
+        """The native transport where it is built (serve/transport/native.py), else grpcio."""
+        reason = native.missing_reason() if config.transport in ("auto", "native") else "--transport grpcio"
+        if reason is None:
+            return native.NativeTransport(address, self.router, registry.streaming(), hard_limit, tls)
+        if config.transport == "native":
+            raise Unavailable(f"--transport native: {reason}")
+        if config.transport == "auto":
+            logs.event(log, "transport_fallback", logging.WARNING, transport="grpcio", reason=reason)
+        return GrpcioTransport(address, self.router, registry, hard_limit, security.server_credentials(tls),
+                               config.workers)
 
     # -- state -------------------------------------------------------------------------------
     def engine(self) -> Engine:
@@ -166,17 +174,17 @@ class EncoderServer:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.grpc.start()
+        self.transport.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         if self.config.port_file:
             path = Path(self.config.port_file)
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
-                                       "kserve_native_port": self.lane.port if self.lane else None}))
+                                       "transport": self.transport.name}))
             os.replace(tmp, path)
         logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port,
-                   kserve_native_port=self.lane.port if self.lane else None)
+                   transport=self.transport.name)
 
     def load(self) -> None:
         """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
@@ -193,8 +201,6 @@ class EncoderServer:
                 return
             self._engine = engine
             self._state = "serving"
-        if self.lane is not None:
-            self.lane.configure(engine)
         self._set_health(True)
         self.metrics.ready.set(1)
         logs.event(log, "serving", model=export.name, sha256=export.sha256[:12], graph=export.graph,
@@ -232,8 +238,6 @@ class EncoderServer:
             if not self._swap_engine(old, new):
                 new.batcher.stop(0)
                 raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")
-            if self.lane is not None:
-                self.lane.configure(new)
             load_s = time.monotonic() - started
             logs.event(log, "model_swapped", previous=old.export.sha256[:12], sha256=new.export.sha256[:12],
                        model=new.export.name, warmup_s=f"{warm_s:.3f}", load_s=f"{load_s:.3f}")
@@ -276,28 +280,21 @@ class EncoderServer:
             hooks = list(self._drain_hooks)
         for hook in hooks:  # open streams end (UNAVAILABLE) once they have answered what they sent
             hook()
-        # the native lane refuses new calls from now on and answers what it holds (serve/native_lane.py)
-        lane_drained = self.lane is None or self.lane.drain(DRAINING, end - time.monotonic())
-        drained = self._wait_calls(end) and lane_drained
+        drained = self._wait_calls(end)
         abandoned = 0
         if not drained:
             late = (f"server is shutting down and its grace period ({grace:g} s) ran out before this request "
                     f"finished; it was not answered, retry it on another replica")
             with self._calls:
                 abandoned = self._in_flight
-            if self.lane is not None:
-                abandoned = max(abandoned, self.lane.in_flight())
-                self.lane.abandon(late)
             logs.event(log, "drain_timeout", logging.WARNING, abandoned=abandoned, grace_s=grace)
             if engine is not None:
                 engine.batcher.abandon(Unavailable(late))
             self._wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
         self._wait_quiet(end)
         # Nothing we admitted is left running; stop() only closes the listener and the connections.
-        if self.lane is not None:
-            self.lane.wait_quiet(self.config.drain_quiet_ms / 1e3, end - time.monotonic())
-            self.lane.stop()
-        self.grpc.stop(ABANDON_S).wait()
+        self.transport.stop(ABANDON_S)
+        self.router.stop()
         if engine is not None:
             engine.batcher.stop(0)
         self.metrics.close()

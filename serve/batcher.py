@@ -43,7 +43,7 @@ class Ticket:
     """A submitted request: `wait()` returns its EncodeResult or raises its ServeError."""
 
     __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
-                 "_result", "_error")
+                 "_result", "_error", "_callbacks")
 
     def __init__(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None,
                  attention_bytes: int = 0) -> None:
@@ -57,6 +57,7 @@ class Ticket:
         self._done = threading.Event()
         self._result: EncodeResult | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Ticket"], None]] = []
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -67,10 +68,22 @@ class Ticket:
     def wait(self, timeout: float | None = None) -> EncodeResult:
         if not self._done.wait(timeout):
             raise DeadlineExceeded("deadline exceeded while waiting for the batch")
+        return self.outcome()
+
+    def outcome(self) -> EncodeResult:
+        """The result of a finished ticket, or raises its error."""
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
+
+    def add_done_callback(self, callback: Callable[["Ticket"], None]) -> None:
+        """Calls `callback(ticket)` once it is finished (at once if it is), on the finishing thread."""
+        with _FINISH:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def _finish(self, result: EncodeResult | None = None, error: BaseException | None = None) -> bool:
         """Sets the outcome unless one was set already; True when this call set it."""
@@ -79,7 +92,13 @@ class Ticket:
                 return False
             self._result, self._error = result, error
             self._done.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception as failure:  # one answer's failure must not stop the batch's others
+                logs.event(log, "done_callback_failed", logging.ERROR, error=repr(failure))
+        return True
 
 
 class Batcher:
@@ -200,13 +219,14 @@ class Batcher:
             now = time.monotonic()
             while self._queue:
                 ticket = self._queue[0]
-                if ticket.cancelled or (ticket.deadline is not None and now >= ticket.deadline):
+                expired = ticket.deadline is not None and now >= ticket.deadline
+                if ticket.cancelled or expired:
                     self._queue.popleft()
                     self._queued_rows -= len(ticket.rows)
-                    if ticket.cancelled:
-                        ticket._finish(error=Cancelled("request cancelled by the client"))
-                    else:
+                    if expired:
                         ticket._finish(error=DeadlineExceeded("deadline expired while queued; request dropped"))
+                    else:
+                        ticket._finish(error=Cancelled("request cancelled by the client"))
                     continue
                 n, longest = len(ticket.rows), max(length, ticket.length)
                 if batch and (rows + n > self.max_batch_size or (rows + n) * longest > self.max_batch_tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 DEVICES = ("cpu", "cuda", "auto")
+TRANSPORTS = ("auto", "native", "grpcio")
 ENV_PREFIX = "ENCODER_"
 
 
@@ -20,10 +21,10 @@ ENV_PREFIX = "ENCODER_"
 class ServerConfig:
     host: str = "127.0.0.1"  # containers set 0.0.0.0
     port: int = 50051  # 0: let the OS choose (see port_file)
-    # The native KServe v2 lane (serve/native_lane.py): inference.GRPCInferenceService served by C++ on
-    # its own port, batching in C++, Python once per batch. -1: off; 0: the OS chooses (see port_file).
-    # Plaintext only (refused with tls_cert or auth_token); needs `python -m serve.native_build`.
-    kserve_native_port: int = -1
+    # What carries the gRPC bytes (serve/transport/): "native" (gRPC C++, built by `python -m
+    # tools.native_build`), "grpcio" (Python's gRPC server), "auto": native where it is built.
+    # Every method, check and message is the same on both.
+    transport: str = "auto"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
     port_file: str = ""  # when set, the bound ports are written here as JSON once listening
@@ -100,11 +101,8 @@ class ServerConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not -1 <= self.kserve_native_port <= 65535:
-            raise ValueError(f"kserve_native_port must be -1 (off) or in 0..65535, got {self.kserve_native_port}")
-        if self.kserve_native_port >= 0 and (self.tls_cert or self.auth_token):
-            raise ValueError("kserve_native_port serves plaintext without auth: it cannot be combined with "
-                             "tls_cert or auth_token (use the main port, or terminate TLS in front of it)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0:
             raise ValueError("max_queue_delay_ms, grace_s and drain_quiet_ms must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -218,22 +218,3 @@ def pad_batch(rows: list[Row], length: int, config: EncoderConfig, path: str = D
     if config.type_vocab_size:
         feeds["token_type_ids"] = np.zeros((n, length), np.int64)
     return feeds
-
-
-def default_mask_feeds(ids: np.ndarray, lengths: np.ndarray, config: EncoderConfig) -> dict[str, np.ndarray]:
-    """The dense graph's inputs for rows of token ids (int64 [B, T], right-padded) of `lengths`, every
-    row with the default mask (bidirectional): what pad_batch builds for such rows, without a Row per
-    sequence (the native KServe v2 lane's batches, serve/native_lane.py)."""
-    n, length = ids.shape
-    feeds = {
-        "input_ids": ids,
-        "attention_mask": (np.arange(length) < lengths[:, None]).astype(np.int64),
-        "mask_kind": np.full(n, int(MaskKind.BIDIRECTIONAL), np.int64),
-        "mask_causal": np.zeros(n, bool),
-        "mask_window": np.zeros(n, np.int64),
-        "mask_step": np.ones(n, np.int64),
-        "custom_mask": np.ones((n, length, length), bool),
-    }
-    if config.type_vocab_size:
-        feeds["token_type_ids"] = np.zeros((n, length), np.int64)
-    return feeds

@@ -28,6 +28,8 @@ NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the
 
 def deadline_of(context: grpc.ServicerContext) -> float | None:
     """The call's deadline on time.monotonic()'s clock; None when the client set none."""
+    if hasattr(context, "deadline"):  # serve/transport/rpc.py Rpc
+        return context.deadline
     remaining = context.time_remaining()
     return None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
 
@@ -37,7 +39,7 @@ class Call:
 
     def __init__(self, metrics: Metrics | None, method: str, context: grpc.ServicerContext) -> None:
         self.metrics, self.method, self.context = metrics, method, context
-        self.received = time.monotonic()
+        self.received = getattr(context, "received", None) or time.monotonic()
 
     def __enter__(self) -> "Call":
         return self
@@ -50,10 +52,23 @@ class Call:
 
     def finish(self, error: BaseException | None) -> None:
         """Counts the call with its status; with an error, aborts it with that status (raises)."""
+        code, message = self._count(error)
+        if error is not None:
+            self.context.abort(code, message)
+
+    def answer(self, error: BaseException | None, payload: bytes | None = None) -> None:
+        """A started call's end (serve/transport/rpc.py): counts it, then replies `payload` or fails it
+        with `error`'s status."""
+        code, message = self._count(error)
+        if error is None:
+            self.context.reply(payload)
+        else:
+            self.context.fail(code, message)
+
+    def _count(self, error: BaseException | None) -> tuple[grpc.StatusCode, str]:
         code, message = (grpc.StatusCode.OK, "") if error is None else to_status(error)
         if self.metrics is not None:
             self.metrics.finished(self.method, code.name, time.monotonic() - self.received)
-        if error is not None:
-            if not isinstance(error, ServeError):
-                logs.event(log, "unexpected_error", logging.ERROR, method=self.method, error=message)
-            self.context.abort(code, message)
+        if error is not None and not isinstance(error, ServeError):
+            logs.event(log, "unexpected_error", logging.ERROR, method=self.method, error=message)
+        return code, message

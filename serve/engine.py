@@ -106,10 +106,16 @@ class Engine:
     def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            result = ticket.wait(timeout)
+            ticket.wait(timeout)
         except DeadlineExceeded:
             ticket.cancel()
             raise
+        return self.result(ticket)
+
+    @staticmethod
+    def result(ticket: Ticket) -> EncodeResult:
+        """A finished ticket's result (chunked texts pooled per text), or raises its error."""
+        result = ticket.outcome()
         return pool_chunks(result, ticket.request) if ticket.request.chunks else result
 
     def encode(self, request: EncodeRequest, deadline: float | None = None) -> EncodeResult:

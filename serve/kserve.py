@@ -23,7 +23,7 @@ The v2 view of the served export (ModelMetadata says the same):
 Only the requested outputs are computed (none requested: all of them, as the protocol says).
 
 Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto
-(compiled to a FileDescriptorSet by the build step, `python -m serve.protogen`, and loaded through
+(compiled to a FileDescriptorSet by the build step, `python -m tools.protogen`, and loaded through
 serve/pb.py, which refuses a missing or stale one), not in protobuf's default pool: tritonclient
 registers the same `inference.*` names from Triton's grpc_service.proto there, and two files
 defining one symbol in one pool is a hard import error. The wire format, and so the service's
@@ -411,27 +411,43 @@ class KServeServicer:
                          T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
             )
 
-    def ModelInfer(self, request, context):
-        with Call(self._metrics, "v2.ModelInfer", context):
-            engine = self._model(request.model_name, request.model_version, context)
+    def start_infer(self, rpc, request) -> None:
+        """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered
+        from the batcher's thread once its batch has run."""
+        call = Call(self._metrics, "v2.ModelInfer", rpc)
+        try:
+            engine = self._model(request.model_name, request.model_version, rpc)
             ours, requested, length = request_from_v2(request, engine)
-            deadline = deadline_of(context)
-            ticket = engine.submit(ours, deadline)
-            context.add_callback(ticket.cancel)
-            result = engine.wait(ticket, deadline)
-            if self._metrics is not None:
-                self._metrics.sequences.inc(len(result.outputs))
-            return response_to_v2(result, requested, length, engine.export.name, request.id)
+            ticket = engine.submit(ours, rpc.deadline)
+        except Exception as error:
+            call.answer(error)
+            return
+        rpc.add_callback(ticket.cancel)
+
+        def done(ticket) -> None:
+            try:
+                result = engine.result(ticket)
+                if self._metrics is not None:
+                    self._metrics.sequences.inc(len(result.outputs))
+                payload = response_to_v2(result, requested, length, engine.export.name,
+                                         request.id).SerializeToString()
+            except Exception as error:
+                call.answer(error)
+                return
+            call.answer(None, payload)
+
+        ticket.add_done_callback(done)
 
 
-def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server: grpc.Server) -> None:
-    """Registers `inference.GRPCInferenceService` on `server` (before server.start())."""
+def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> None:
+    """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry)."""
     servicer = KServeServicer(engine, metrics)
     handlers = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
         handlers[method] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method),
+            getattr(servicer, method, None),
             request_deserializer=M[f"{method}Request"].FromString,
             response_serializer=M[f"{method}Response"].SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+    server.add_started(f"/{SERVICE}/ModelInfer", servicer.start_infer, M["ModelInferRequest"].FromString)

@@ -1,4 +1,4 @@
-"""The generated protobuf code, checked and loaded (never generated here: `python -m serve.protogen`).
+"""The generated protobuf code, checked and loaded (never generated here: `python -m tools.protogen`).
 
 Importing this fails with GeneratedCodeError, saying what to run, when serve/_proto is missing,
 incomplete, edited or older than protos/ (serve/proto_stamp.py).

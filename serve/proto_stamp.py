@@ -1,6 +1,6 @@
 """What the generated protobuf code in serve/_proto/ is, and whether it is current (no grpcio-tools here).
 
-`python -m serve.protogen` (a build step: `make proto`, the image's build stage) writes serve/_proto/:
+`python -m tools.protogen` (a build step: `make proto`, the image's build stage) writes serve/_proto/:
   encoder/v1/*_pb2*.py          Python modules for protos/encoder (protobuf's default pool)
   kserve/v2/grpc_predict_v2.binpb  a serialized FileDescriptorSet for protos/kserve, which serve/kserve.py
                                 loads into its PRIVATE descriptor pool (why: that module's docstring)
@@ -25,7 +25,7 @@ KSERVE_PROTO = "kserve/v2/grpc_predict_v2.proto"
 KSERVE_DESCRIPTORS = "kserve/v2/grpc_predict_v2.binpb"
 REQUIRED = ("encoder/v1/encoder_pb2.py", "encoder/v1/encoder_pb2_grpc.py", "encoder/v1/admin_pb2.py",
             "encoder/v1/admin_pb2_grpc.py", KSERVE_DESCRIPTORS)
-FIX = "run `python -m serve.protogen` (or `make proto`)"
+FIX = "run `python -m tools.protogen` (or `make proto`)"
 
 
 class GeneratedCodeError(ImportError):

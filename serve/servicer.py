@@ -90,6 +90,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
 
 
 _DRAINING = object()  # EncodeStream: the server began to drain
+ENCODE = f"/{pb.DESCRIPTOR.services_by_name['EncoderService'].full_name}/Encode"
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
@@ -100,15 +101,29 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self._metrics = metrics
         self._max_bytes = max_request_bytes
 
-    def Encode(self, request, context):
-        with Call(self._metrics, "Encode", context) as call:
-            engine = self._engine(context)
-            deadline = deadline_of(context)
-            ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), deadline)
-            context.add_callback(ticket.cancel)
-            result = engine.wait(ticket, deadline)
-            self._metrics.sequences.inc(len(result.outputs))
-            return response_to_proto(result, engine, call.received)
+    def start_encode(self, rpc, request) -> None:
+        """Encode, started (serve/transport/rpc.py): admitted, checked and queued here; answered from
+        the batcher's thread once its batch has run. No thread waits for it."""
+        call = Call(self._metrics, "Encode", rpc)
+        try:
+            engine = self._engine(rpc)
+            ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), rpc.deadline)
+        except Exception as error:
+            call.answer(error)
+            return
+        rpc.add_callback(ticket.cancel)  # a call that ends unanswered (cancelled) leaves the queue
+
+        def done(ticket) -> None:
+            try:
+                result = engine.result(ticket)
+                self._metrics.sequences.inc(len(result.outputs))
+                payload = response_to_proto(result, engine, call.received).SerializeToString()
+            except Exception as error:
+                call.answer(error)
+                return
+            call.answer(None, payload)
+
+        ticket.add_done_callback(done)
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         with Call(self._metrics, "EncodeStream", context):

@@ -88,13 +88,23 @@ def serve_long_export_dir(tmp_path_factory) -> Path:
     return Path(export_model(config, tmp_path_factory.mktemp("serve-long"), graphs=("long",)).directory)
 
 
+def _transports():
+    from serve.transport.native import missing_reason
+
+    reason = missing_reason()  # None where it is built (make native)
+    return [pytest.param("native", marks=pytest.mark.skipif(reason is not None, reason=str(reason))), "grpcio"]
+
+
+TRANSPORTS = _transports()  # tests that run on each transport: parametrize over these
+
+
 @dataclass
 class ServeProcess:
     proc: subprocess.Popen
     port: int
     metrics_port: int | None
     log_path: Path
-    kserve_native_port: int | None = None  # --kserve-native-port (serve/native_lane.py)
+    transport: str = ""  # what carries the gRPC bytes (serve/transport/): native or grpcio
 
     @property
     def target(self) -> str:
@@ -156,7 +166,7 @@ def serve_start(tmp_path_factory):
                 raise TimeoutError(f"no port file after {timeout}s:\n{log_path.read_text()}")
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("kserve_native_port"))
+        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("transport", ""))
         started.append(server)
         if wait:
             _wait_serving(server.target, max(1.0, end - time.monotonic()))

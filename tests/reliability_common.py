@@ -189,7 +189,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 # --- shutdown under load (test_serve_lifecycle, and test_reliability_chaos with a CPU hog) -----------
 
-def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export_dir: Path) -> list:
+def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export_dir: Path, *flags: str) -> list:
     """SIGTERM to a `python -m serve` under a closed-loop load of 6 clients: every refusal is
     UNAVAILABLE (never CANCELLED: nothing accepted is dropped), the log says drained, exit 0.
     Returns the (code, details) of every call."""
@@ -198,7 +198,7 @@ def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export
 
     from serve.client import EncoderClient
 
-    server = serve_start(export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20")
+    server = serve_start(export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20", *flags)
     codes: list[tuple[str, str]] = []
     ok = threading.Semaphore(0)
     lock = threading.Lock()

@@ -80,7 +80,7 @@ def test_every_command_in_the_deployment_doc_runs_as_written(tmp_path):
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
     env.pop("LB_UPSTREAM", None)
     env.pop("TORCH_INDEX", None)
-    subprocess.run(["python", "-m", "serve.protogen"], cwd=clone, env=env, check=True, timeout=300)
+    subprocess.run(["python", "-m", "tools.protogen"], cwd=clone, env=env, check=True, timeout=300)
     started = time.monotonic()
     try:
         for number, (body, skip, sub) in enumerate(doc_blocks((clone / DOC).read_text()), 1):

@@ -1,9 +1,9 @@
 """The KServe v2 / Open Inference Protocol endpoint, driven by the real tritonclient.grpc client
 against `python -m serve` in a subprocess: same numbers as Encode, mask choice as parameters.
 
-Every test that calls the endpoint runs twice: on the Python port (serve/kserve.py) and on the native
-lane's port (`--kserve-native-port`, serve/native_lane.py), which must behave the same in every respect
-the protocol shows (numbers, errors, metrics, parameters)."""
+Every test that calls the endpoint runs on both transports (serve/transport/): native (gRPC C++) and
+grpcio, which must behave the same in every respect the protocol shows (numbers, errors, metrics,
+parameters)."""
 
 from __future__ import annotations
 
@@ -16,25 +16,20 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from model.mask_kinds import MaskKind  # noqa: E402
-from serve.native_lane import missing_reason  # noqa: E402
-
-NATIVE_MISSING = missing_reason()  # None where the lane is built (make native)
-LANES = ["python", pytest.param("native", marks=pytest.mark.skipif(NATIVE_MISSING is not None,
-                                                                    reason=str(NATIVE_MISSING)))]
+from tests.conftest import TRANSPORTS  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-5  # same server, same graph: v2 and Encode agree to float noise
 REF_ATOL = 1e-4  # vs PyTorch: the export's fp32 tolerance
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request, serve_start, serve_export_dir):
+    return serve_start(serve_export_dir, "--transport", request.param)
+
+
 @pytest.fixture(scope="module")
-def server(serve_start, serve_export_dir):
-    return serve_start(serve_export_dir, *(("--kserve-native-port", "0") if NATIVE_MISSING is None else ()))
-
-
-@pytest.fixture(scope="module", params=LANES)
-def target(request, server) -> str:
-    """The v2 endpoint: the Python port, or the native lane's."""
-    return server.target if request.param == "python" else f"127.0.0.1:{server.kserve_native_port}"
+def target(server) -> str:
+    return server.target
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve import errors, proto_stamp, protogen
+from serve import errors, proto_stamp
+from tools import protogen
 from serve.backend import BackendInfo
 from serve.batch_plan import RunCost
 from serve.batcher import Batcher
@@ -556,7 +557,7 @@ def test_a_changed_proto_makes_the_generated_code_stale_and_refused_at_import(ge
     path = protos / proto
     path.write_text(path.read_text() + "\n// a comment changes the sources\n")
     assert protogen.is_stale(out, protos)
-    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"stale.*python -m serve\.protogen"):
+    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"stale.*python -m tools\.protogen"):
         proto_stamp.check(out, protos)
 
 
@@ -571,7 +572,7 @@ def test_a_missing_or_edited_generated_file_is_refused_at_import(generated, arte
     else:
         path.write_bytes(path.read_bytes() + b"\n# edited by hand\n")
     assert protogen.is_stale(out, protos)
-    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"python -m serve\.protogen"):
+    with pytest.raises(proto_stamp.GeneratedCodeError, match=r"python -m tools\.protogen"):
         proto_stamp.check(out, protos)
 
 
@@ -586,7 +587,7 @@ def test_the_kserve_descriptors_describe_the_v2_service_the_server_registers():
 
 
 def test_serving_never_imports_torch_nor_runs_protoc(serve_export_dir):
-    # grpcio-tools is a build dependency (python -m serve.protogen), not the server's
+    # grpcio-tools is a build dependency (python -m tools.protogen), not the server's
     code = f"""
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
@@ -608,24 +609,3 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env=repo_env())
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
-
-
-@pytest.mark.parametrize("type_vocab_size", [0, 2])
-def test_default_mask_feeds_equal_pad_batch_for_rows_with_the_default_mask(type_vocab_size):
-    """The native lane builds a batch's graph inputs from one padded id array (serve/native_lane.py);
-    they must be what the batcher's pad_batch builds from Rows of the default (bidirectional) mask."""
-    from serve.core import Row, default_mask_feeds, pad_batch
-
-    config = EncoderConfig(vocab_size=50, type_vocab_size=type_vocab_size)
-    lengths = np.array([5, 2, 7])
-    ids = np.full((3, 7), config.pad_token_id, np.int64)
-    rows = []
-    for b, n in enumerate(lengths):
-        ids[b, :n] = np.arange(1, n + 1) + b
-        rows.append(Row(ids[b, :n].copy(), int(MaskKind.BIDIRECTIONAL), False, 0, 1, None))
-    expected = pad_batch(rows, 7, config)
-    got = default_mask_feeds(ids, lengths, config)
-    assert got.keys() == expected.keys()
-    for name in expected:
-        assert got[name].dtype == expected[name].dtype, name
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

@@ -1,0 +1,166 @@
+"""The front end's cost, per protocol: `python -m bench.front_end [--rounds 3] [--seconds 15]`.
+
+One `python -m serve` with default flags (the main port, whichever transport it picks) per round;
+in each round the same load goes through Encode and through KServe v2 ModelInfer, taking turns:
+32 clients, each on its own channel, sending one sequence of 32 tokens back to back (the issue-21
+load), then one client sending (1, 128) sequentially (latency). Reported per protocol: req/s, p50/p99,
+rows per session.run, and the server's CPU per request split into the model (ONNX Runtime's pool
+threads + the batcher threads' CPU inside session.run, from `encoder_session_run_cpu_seconds_total`)
+and the front end (everything else: transport, routing, parsing, validation, batching, responses).
+Ratios (Encode / v2) are taken within a round. Traffic goes to 127.0.0.1 only, bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import server_bench as sb
+
+
+def _metric(target_metrics: str, name: str) -> float:
+    for line in target_metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _callers(protocol: str, target: str, ids: np.ndarray, model: str):
+    """A function sending one request of `ids` (1-D) on its own channel; returns rows per run."""
+    if protocol == "encode":
+        from serve.client import EncoderClient, build_request
+
+        client = EncoderClient(target, timeout=60.0, retries=0)
+        request = build_request([ids])
+
+        def call() -> int:
+            return client.stub.Encode(request, timeout=60.0).metadata.batch_size
+
+        return call, client.close
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url=target)
+    inputs = [grpcclient.InferInput("input_ids", [1, len(ids)], "INT64")]
+    inputs[0].set_data_from_numpy(ids[None].astype(np.int64))
+    outputs = [grpcclient.InferRequestedOutput("embeddings")]
+
+    def call() -> int:
+        response = client.infer(model, inputs, outputs=outputs).get_response()
+        return response.parameters["batch_size"].int64_param
+
+    return call, client.close
+
+
+def load(protocol: str, server: sb.ServerHandle, metrics_port: int, model: str, *, clients: int, length: int,
+         seconds: float, vocab: int) -> dict:
+    """`clients` threads back to back for `seconds` (after 2 s of warm-up): req/s, latency, CPU split."""
+    rng = np.random.default_rng(0)
+    pairs = [_callers(protocol, server.target, rng.integers(1, vocab, length), model) for _ in range(clients)]
+    for call, _ in pairs:
+        call()  # connect every channel before the clock starts
+    phase = {"measuring": False, "stop": False}
+    lock = threading.Lock()
+    latencies: list[float] = []
+    batch_sizes: list[int] = []
+
+    def worker(call) -> None:
+        while not phase["stop"]:
+            t0 = time.perf_counter()
+            rows = call()
+            elapsed = 1e3 * (time.perf_counter() - t0)
+            if phase["measuring"]:
+                with lock:
+                    latencies.append(elapsed)
+                    batch_sizes.append(rows)
+
+    threads = [threading.Thread(target=worker, args=(call,), daemon=True) for call, _ in pairs]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)  # warm-up (a benchmark, not a test: the window is a duration by design)
+    threads0, scrape0 = sb.thread_cpu(server.pid), _scrape(metrics_port)
+    t0 = time.perf_counter()
+    phase["measuring"] = True
+    time.sleep(seconds)
+    phase["measuring"] = False
+    wall = time.perf_counter() - t0
+    threads1, scrape1 = sb.thread_cpu(server.pid), _scrape(metrics_port)
+    phase["stop"] = True
+    for thread in threads:
+        thread.join(timeout=60)
+    for _, close in pairs:
+        close()
+    done = len(latencies)
+    total = sum(threads1.get(t, 0.0) - threads0.get(t, 0.0) for t in threads1)
+    pool = sum(threads1[t] - threads0.get(t, 0.0) for t in threads1 if sb.thread_name(server.pid, t) == "python"
+               and t != server.pid)  # ONNX Runtime's pool threads: the only unnamed ones but main
+    in_run = (_metric(scrape1, "encoder_session_run_cpu_seconds_total")
+              - _metric(scrape0, "encoder_session_run_cpu_seconds_total"))
+    model_cpu = pool + in_run
+    return {"protocol": protocol, "clients": clients, "length": length, "requests": done, "seconds": wall,
+            "throughput_rps": done / wall, **sb.percentiles(latencies),
+            "rows_per_run": len(batch_sizes) / sum(1.0 / b for b in batch_sizes) if batch_sizes else None,
+            "server_cpu_ms_per_request": 1e3 * total / done, "model_cpu_ms_per_request": 1e3 * model_cpu / done,
+            "front_cpu_ms_per_request": 1e3 * (total - model_cpu) / done}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.front_end", description=__doc__.split("\n")[0])
+    parser.add_argument("--export-dir", default="exports/default")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--flags", default="", help="more `python -m serve` flags (default: none)")
+    parser.add_argument("--out", default="bench-results/front_end.json")
+    args = parser.parse_args(argv)
+    from model.export_format import read_metadata
+
+    meta = read_metadata(Path(args.export_dir))
+    rounds = []
+    for number in range(args.rounds):
+        port_file_flags = ["--metrics-port", "0", "--metrics-host", "127.0.0.1", *args.flags.split()]
+        with sb.running_server(args.export_dir, port_file_flags) as server:
+            metrics_port = server.metrics_port
+            order = ("encode", "v2") if number % 2 == 0 else ("v2", "encode")
+            results = {}
+            for protocol in order:
+                results[protocol] = load(protocol, server, metrics_port, meta.name, clients=args.clients,
+                                         length=args.length, seconds=args.seconds, vocab=meta.config.vocab_size)
+                r = results[protocol]
+                print(f"round {number + 1} {protocol:6s} {r['throughput_rps']:7.1f} req/s  p50 {r['p50_ms']:6.2f} ms  "
+                      f"p99 {r['p99_ms']:6.2f} ms  rows/run {r['rows_per_run']:.1f}  server CPU "
+                      f"{r['server_cpu_ms_per_request']:.3f} ms/req = front end {r['front_cpu_ms_per_request']:.3f} "
+                      f"+ model {r['model_cpu_ms_per_request']:.3f}", flush=True)
+            results["encode_over_v2"] = results["encode"]["throughput_rps"] / results["v2"]["throughput_rps"]
+            results["transport"] = server.transport
+            print(f"round {number + 1} Encode/v2 throughput {results['encode_over_v2']:.3f} "
+                  f"(transport {server.transport})", flush=True)
+            rounds.append(results)
+    ratios = sorted(r["encode_over_v2"] for r in rounds)
+    summary = {"encode_over_v2_median": ratios[len(ratios) // 2], "encode_over_v2_range": [ratios[0], ratios[-1]]}
+    for protocol in ("encode", "v2"):
+        for key in ("throughput_rps", "front_cpu_ms_per_request", "server_cpu_ms_per_request", "p50_ms"):
+            values = sorted(r[protocol][key] for r in rounds)
+            summary[f"{protocol}_{key}_median"] = values[len(values) // 2]
+    print(json.dumps(summary, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rounds": rounds, "summary": summary, "cpus": os.cpu_count()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

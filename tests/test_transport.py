@@ -1,0 +1,139 @@
+"""The front end's transports (serve/transport/): native (gRPC C++, bytes only) and grpcio, each under
+one Router with the same rules. Real server processes (or an in-process server whose inference waits
+at a gate the test opens), real clients; every test runs on both transports."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from serve.client import EncoderClient, build_request  # noqa: E402
+from serve.pb import pb_grpc  # noqa: E402
+from tests.conftest import TRANSPORTS  # noqa: E402
+from tests.reliability_common import (  # noqa: E402
+    assert_sigterm_under_load_answers_every_accepted_request,
+    wait_until,
+)
+from tests.test_kserve_v2 import infer  # noqa: E402  (the v2 helper, one home)
+from tests.test_serve_lifecycle import GatedServer  # noqa: E402
+
+ATOL = 1e-5  # same graph, different batch-mates: float noise
+
+# every method the server answers, with how it is called (unary or a stream of requests)
+UNARY = ["/encoder.v1.EncoderService/Encode", "/encoder.v1.EncoderService/GetModelInfo",
+         "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+         *(f"/inference.GRPCInferenceService/{m}" for m in
+           ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"))]
+STREAMS = ["/encoder.v1.EncoderService/EncodeStream",
+           "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(request, serve_start, serve_export_dir):
+    started = serve_start(serve_export_dir, "--transport", request.param)
+    assert started.transport == request.param
+    return started
+
+
+def test_concurrent_requests_share_a_batch_and_each_equals_its_row_alone(server):
+    """Requests handed over together form one batch; a row's numbers do not depend on its batch-mates.
+    Up to 5 rounds for a shared batch to show, without sleeps."""
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(1, 100, size=(1, n)) for n in rng.integers(3, 40, size=16)]
+    clients = [grpcclient.InferenceServerClient(url=server.target) for _ in rows]
+    alone = [infer(clients[0], ids).as_numpy("last_hidden_state") for ids in rows]
+    for _ in range(5):
+        start, results = threading.Barrier(len(rows)), [None] * len(rows)
+
+        def send(i: int) -> None:
+            start.wait()
+            results[i] = infer(clients[i], rows[i])
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(rows))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for got, expected in zip(results, alone):
+            np.testing.assert_allclose(got.as_numpy("last_hidden_state"), expected, atol=ATOL, rtol=0)
+        if max(r.get_response().parameters["batch_size"].int64_param for r in results) > 1:
+            return
+    pytest.fail("16 simultaneous requests never shared a session.run in 5 rounds")
+
+
+@pytest.mark.parametrize("method", UNARY + STREAMS)
+def test_bytes_that_are_no_protobuf_get_invalid_argument_naming_the_method(server, method):
+    with grpc.insecure_channel(server.target) as channel:
+        if method in STREAMS:
+            call = channel.stream_stream(method)  # bytes as they are
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call(iter([b"\xff\xff\xff\xff"]), timeout=30))
+        else:
+            call = (channel.unary_stream if method.endswith("/Watch") else channel.unary_unary)(method)
+            with pytest.raises(grpc.RpcError) as caught:
+                result = call(b"\xff\xff\xff\xff", timeout=30)
+                list(result) if method.endswith("/Watch") else result
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == f"request: the bytes are not a valid protobuf request for {method}"
+    assert EncoderClient(server.target).health() == "SERVING"  # and the server goes on serving
+
+
+def test_an_unknown_method_is_unimplemented(server):
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/encoder.v1.EncoderService/Nope")(b"", timeout=30)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _requests_total(gated: GatedServer, code: str) -> float:
+    return gated.server.metrics.registry.get_sample_value(
+        "encoder_requests_total", {"method": "Encode", "code": code}) or 0.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_batch_hand_off_drops_expired_and_cancelled_calls_and_refuses_overflow(serve_export_dir, transport):
+    """While a batch runs (held at a gate), calls queue: one whose deadline passes and one its client
+    cancels are dropped when the next batch forms, never run; a call past max_queue_size is refused
+    RESOURCE_EXHAUSTED at once; the rest are answered, and every outcome is counted once."""
+    gated = GatedServer(serve_export_dir, transport=transport, max_queue_size=2)
+    try:
+        with grpc.insecure_channel(gated.target) as channel:
+            stub = pb_grpc.EncoderServiceStub(channel)
+            running = stub.Encode.future(build_request([[1, 2, 3]]), timeout=60)
+            assert gated.entered.wait(30)  # the batch runs, held at the gate
+            engine = gated.server.engine()
+            cancelled = stub.Encode.future(build_request([[6, 7]]), timeout=60)
+            expiring = stub.Encode.future(build_request([[4, 5]]), timeout=3)
+            assert wait_until(lambda: engine.batcher.queue_depth() == 2, 30)
+            with pytest.raises(grpc.RpcError) as overflow:  # the queue holds 2
+                stub.Encode(build_request([[8, 9]]), timeout=30)
+            assert overflow.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_queue_size=2" in overflow.value.details()
+            with pytest.raises(grpc.RpcError) as late:
+                expiring.result()
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            cancelled.cancel()
+            assert wait_until(lambda: all(t.cancelled for t in list(engine.batcher._queue)), 30)
+            gated.release.set()
+            assert running.result().results[0].HasField("embedding")
+            assert stub.Encode(build_request([[10, 11]]), timeout=30).results[0].HasField("embedding")
+            assert wait_until(lambda: _requests_total(gated, "CANCELLED") == 1, 30)
+        assert _requests_total(gated, "OK") == 2
+        assert _requests_total(gated, "DEADLINE_EXCEEDED") == 1
+        assert _requests_total(gated, "RESOURCE_EXHAUSTED") == 1
+        assert gated.server.metrics.registry.get_sample_value("encoder_sequences_total") == 2  # none ran dropped
+    finally:
+        gated.release.set()
+        gated.server.shutdown(5)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigterm_under_load_loses_no_admitted_call(serve_start, serve_export_dir, transport):
+    codes = assert_sigterm_under_load_answers_every_accepted_request(serve_start, serve_export_dir,
+                                                                     "--transport", transport)
+    assert codes
