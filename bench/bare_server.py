@@ -2,7 +2,7 @@
 
 `python -m bench.bare_server --export-dir D --graph G --threads N --port-file F` serves
 encoder.v1.EncoderService/Encode on 127.0.0.1 with grpcio's sync server, and its handler does only
-this: read `sequences[0]` as token ids, pad them into the graph inputs (serve.core.pad_batch, one
+this: read `sequences[0]` as token ids, pad them into the graph inputs (serve.core.requests.pad_batch, one
 bidirectional row), `session.run`, and answer the pooled embedding. No validation, no batcher, no metrics,
 no interceptors, no health service. The benchmark times it beside the real server and an in-process
 `session.run` (bench/run.py), so one run shows how much of the real server's overhead is gRPC in
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
-    from serve.core import Row, pad_batch
-    from serve.pb import pb, pb_grpc
-    from serve.tensors import from_numpy, to_numpy
+    from serve.backend.feeds import Row, pad_batch
+    from serve.protocols.pb import pb, pb_grpc
+    from serve.protocols.tensors import from_numpy, to_numpy
 
     metadata = read_metadata(args.export_dir)
     config = metadata.config

@@ -41,7 +41,7 @@ def _scrape(port: int) -> str:
 def _callers(protocol: str, target: str, ids: np.ndarray, model: str):
     """A function sending one request of `ids` (1-D) on its own channel; returns rows per run."""
     if protocol == "encode":
-        from serve.client import EncoderClient, build_request
+        from client import EncoderClient, build_request
 
         client = EncoderClient(target, timeout=60.0, retries=0)
         request = build_request([ids])

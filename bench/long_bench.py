@@ -88,7 +88,7 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
     from model.config import to_dict
     from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
-    from serve.attention_budget import available_memory
+    from serve.core.attention_budget import available_memory
 
     threads = threads or physical_cores()
     options = BenchOptions(out=out, quick=quick)
@@ -272,7 +272,7 @@ def _one(job: dict) -> dict:
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = job["threads"]
-        options.enable_cpu_mem_arena = job["path"] == "dense"  # as the server runs them (serve/backend.py)
+        options.enable_cpu_mem_arena = job["path"] == "dense"  # as the server runs them (serve/backend/session.py)
         providers = [("CUDAExecutionProvider", {"use_tf32": "0"})] if cuda else ["CPUExecutionProvider"]
         session = ort.InferenceSession(job["graph"], options, providers=providers)
         if cuda and session.get_providers()[0] != "CUDAExecutionProvider":

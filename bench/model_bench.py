@@ -17,7 +17,7 @@ import numpy as np
 from bench.flops import encoder_flops
 from export.cases import MaskSpec, make_feeds
 from model.config import EncoderConfig
-from serve.backend import cuda_options
+from serve.backend.session import cuda_options
 
 
 @dataclass(frozen=True)

@@ -353,7 +353,7 @@ def run_bench(options: BenchOptions, *, progress=None) -> dict:
     report["server"] = None
     if options.server:
         try:
-            import serve.client  # noqa: F401
+            import client  # noqa: F401
         except ImportError as error:
             report["server_skipped"] = f"serve is not importable: {error}"
         else:

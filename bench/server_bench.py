@@ -33,6 +33,8 @@ class ServerHandle:
     flags: list[str] = field(default_factory=list)
     # threads alive once it listened, before any call: the batcher and ONNX Runtime's pool among them
     startup_threads: frozenset[int] = frozenset()
+    metrics_port: int | None = None
+    transport: str = ""
 
     @property
     def pid(self) -> int:
@@ -53,7 +55,7 @@ def _process_with_port_file(command: list[str], port_file: Path, log: Path, star
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server did not write {port_file} in {start_timeout_s:.0f} s")
             time.sleep(0.05)
-        yield process, int(json.loads(port_file.read_text())["port"]), deadline
+        yield process, json.loads(port_file.read_text()), deadline
     finally:
         if process.poll() is None:
             process.terminate()
@@ -67,15 +69,17 @@ def _process_with_port_file(command: list[str], port_file: Path, log: Path, star
 @contextmanager
 def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float = 120.0):
     """Start `python -m serve` with `flags`, wait until it listens and reports SERVING, stop it on exit."""
-    from serve.client import EncoderClient
+    from client import EncoderClient
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     port_file, log = workdir / "ports.json", workdir / "server.log"
     command = [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
                "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
                *flags]
-    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, deadline):
-        handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags, frozenset(thread_cpu(process.pid)))
+    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, ports, deadline):
+        port = int(ports["port"])
+        handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags, frozenset(thread_cpu(process.pid)),
+                              ports.get("metrics_port"), ports.get("transport", ""))
         with EncoderClient(handle.target, timeout=5.0) as client:
             while True:
                 try:
@@ -96,7 +100,8 @@ def running_bare_server(export_dir: str, graph: str, threads: int, *, start_time
     port_file, log = workdir / "port.json", workdir / "server.log"
     flags = ["--export-dir", str(export_dir), "--graph", graph, "--threads", str(threads)]
     command = [sys.executable, "-m", "bench.bare_server", *flags, "--port-file", str(port_file)]
-    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, port, _deadline):
+    with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, ports, _deadline):
+        port = int(ports["port"])
         yield ServerHandle(process, port, f"127.0.0.1:{port}", log, flags)
 
 
@@ -116,6 +121,14 @@ def thread_cpu(pid: int) -> dict[int, float]:
         fields = stat[stat.rindex(")") + 2:].split()
         out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def thread_name(pid: int, tid: int) -> str:
+    """The OS name of thread `tid` of `pid` ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def split_cpu(before: dict[int, float], after: dict[int, float], startup: frozenset[int],
@@ -153,7 +166,7 @@ def paired_latency(targets: dict[str, str], ids: np.ndarray, session, feeds: dic
     both outputs either way."""
     from contextlib import ExitStack
 
-    from serve.client import EncoderClient, build_request
+    from client import EncoderClient, build_request
 
     request = build_request([ids])
     names = [o.name for o in session.get_outputs()]
@@ -217,7 +230,7 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
     (and `model_threads`, the intra-op thread count): its CPU, split into front end and model per
     request (split_cpu), and the rows per session.run."""
     server_pid = server.pid if server is not None else None
-    from serve.client import EncoderClient, build_request
+    from client import EncoderClient, build_request
 
     clients = [EncoderClient(target, timeout=60.0, retries=0) for _ in ids_per_client]
     requests = [build_request([ids]) for ids in ids_per_client]

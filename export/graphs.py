@@ -50,7 +50,7 @@ GRAPHS: dict[str, GraphVariant] = {
         "float16 weights and arithmetic, float32 inputs/outputs, for CUDA",
     ),
     # The long-input paths: the same weights, attention computed at its own cost. Served beside a dense
-    # graph for the rows whose mask kind they compute (the server picks per row; serve/batcher.py).
+    # graph for the rows whose mask kind they compute (the server picks per row; serve/core/batcher.py).
     "sparse": GraphVariant(
         "sparse", "model.sparse.onnx", dict(FP32_TOLERANCE), None,
         "softmax attention for sliding_window/dilated/local_strided rows at O(T·w + T²/k): blocked band + "

@@ -3,12 +3,12 @@
 import sys
 
 from serve.config import load_config
-from serve.proto_stamp import GeneratedCodeError
+from serve.protocols.proto_stamp import GeneratedCodeError
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from serve.app import serve  # loads the generated protobuf code, which must be current
+        from serve.assembly.app import serve  # loads the generated protobuf code, which must be current
     except GeneratedCodeError as error:
         print(f"python -m serve: {error}", file=sys.stderr)
         return 2

@@ -51,12 +51,12 @@ class ServerConfig:
     max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
     # Run a batch of mixed lengths as length-sorted session.runs, each padded to its own longest row,
     # when the padding saved pays for the extra runs; the per-run cost is measured on the backend at
-    # start (serve/batch_plan.py). Batches still form in arrival order. Off: one run per batch.
+    # start (serve/core/batch_plan.py). Batches still form in arrival order. Off: one run per batch.
     length_split: bool = True
     # the fixed cost of one session.run in token-equivalents for length_split, pinned (-1: measured at start)
     split_overhead_tokens: float = -1.0
     max_sequences_per_request: int = 32
-    # Long inputs (serve/attention_budget.py). Each row runs on the cheapest attention path the export
+    # Long inputs (serve/core/attention_budget.py). Each row runs on the cheapest attention path the export
     # has for its mask kind (sparse/linear graphs beside the dense one; false: dense only).
     long_paths: bool = True
     # Estimated attention memory a request (and a formed batch) may take; over it: RESOURCE_EXHAUSTED
@@ -72,20 +72,20 @@ class ServerConfig:
     workers: int = 32  # gRPC handler threads
     grace_s: float = 30.0  # drain budget on SIGTERM
     # draining ends (gRPC stops) only after this long without a new call: late callers get UNAVAILABLE
-    # from our handlers meanwhile, not CANCELLED from a stopping gRPC (serve/app.py shutdown)
+    # from our handlers meanwhile, not CANCELLED from a stopping gRPC (serve/assembly/app.py shutdown)
     drain_quiet_ms: float = 500.0
     warmup: bool = True
     log_level: str = "info"
-    # --- security (serve/security.py, docs/reliability.md) ---
+    # --- security (serve/transport/security.py, docs/reliability.md) ---
     tls_cert: str = ""  # PEM server certificate chain; with tls_key: serve TLS instead of plaintext
     tls_key: str = ""  # PEM private key for tls_cert
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
     # when set, every RPC but grpc.health.v1 needs `authorization: Bearer <token>`; kept out of repr
     auth_token: str = dataclasses.field(default="", repr=False)
     max_request_tokens: int = 0  # sequences x longest length per request; 0: max_batch_tokens
-    # --- operations (EncoderServer.reload in serve/app.py, serve/admin.py, serve/faults.py) ---
+    # --- operations (EncoderServer.reload in serve/assembly/app.py, serve/protocols/admin.py, serve/backend/faults.py) ---
     admin: bool = False  # serve encoder.v1.AdminService (ReloadModel); SIGHUP reloads regardless
-    fault_inject: str = ""  # TESTS ONLY, e.g. "poison_token=99" (serve/faults.py); empty: off
+    fault_inject: str = ""  # TESTS ONLY, e.g. "poison_token=99" (serve/backend/faults.py); empty: off
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -161,7 +161,7 @@ class InProcessServer:
     """create_server + start + load in this process (faster than a subprocess); `stop()` drains."""
 
     def __init__(self, export_dir: Path, **fields) -> None:
-        from serve.app import create_server
+        from serve.assembly.app import create_server
         from serve.config import ServerConfig
 
         config = ServerConfig(port=0, metrics_port=-1, export_dir=str(export_dir), **fields)
@@ -196,7 +196,7 @@ def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export
     import grpc
     import numpy as np
 
-    from serve.client import EncoderClient
+    from client import EncoderClient
 
     server = serve_start(export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20", *flags)
     codes: list[tuple[str, str]] = []

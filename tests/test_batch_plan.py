@@ -1,4 +1,4 @@
-"""Length-sorted runs (serve/batch_plan.py): the planner and the per-run cost measurement."""
+"""Length-sorted runs (serve/core/batch_plan.py): the planner and the per-run cost measurement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.config import EncoderConfig
-from serve.batch_plan import NEVER_SPLIT, RunCost, calibrate, plan_runs
+from serve.core.batch_plan import NEVER_SPLIT, RunCost, calibrate, plan_runs
 
 CONFIG = EncoderConfig(d_model=32, n_heads=2, n_layers=1, d_ff=64, vocab_size=100, max_positions=256)
 

@@ -1,4 +1,4 @@
-"""The client's retries (serve/client.py): gRPC's own retry policy and client-side health checking,
+"""The client's retries (client/__init__.py): gRPC's own retry policy and client-side health checking,
 with one deadline per call, against a real in-process server on 127.0.0.1.
 
 The server's replies are scripted at the backend boundary (the next N inference calls raise
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from export.contract import FP32_TOLERANCE
-from serve.app import create_server
-from serve.client import MAX_ATTEMPTS, EncoderClient
+from serve.assembly.app import create_server
+from client import MAX_ATTEMPTS, EncoderClient
 from serve.config import ServerConfig
 from serve.errors import Unavailable
-from serve.loading import default_backend
+from serve.assembly.loading import default_backend
 
 ATOL = FP32_TOLERANCE["limit"]
 SEQ = [5, 17, 42, 7]

@@ -15,7 +15,7 @@ import pytest
 
 from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
-from serve.client import EncoderClient
+from client import EncoderClient
 from tests.concurrency import call_concurrently
 
 ort = pytest.importorskip("onnxruntime")
@@ -186,7 +186,7 @@ def test_a_long_window_request_served_on_cuda_runs_sparse_and_equals_pytorch(ser
     server = serve_start(serve_long_export_dir, "--device", "cuda", timeout=180.0)
     ids = _ids(5000, seed=9) % 97
     with EncoderClient(server.target, timeout=120) as client:
-        from serve.client import build_request
+        from client import build_request
 
         response = client.stub.Encode(build_request([ids], mask="sliding_window", window=32), timeout=120)
     assert list(response.metadata.attention_paths) == ["sparse"]

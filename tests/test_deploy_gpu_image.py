@@ -70,7 +70,7 @@ def test_onnxruntime_in_the_gpu_image_lists_the_cuda_provider(gpu_image):
 
 def test_the_server_in_the_gpu_image_offers_no_tensorrt_without_its_library(gpu_image):
     """The image has no TensorRT (libnvinfer.so.10), so the server drops the provider onnxruntime lists."""
-    out = _python_in_image(gpu_image, "import onnxruntime as ort; from serve.backend import offered_providers; "
+    out = _python_in_image(gpu_image, "import onnxruntime as ort; from serve.backend.session import offered_providers; "
                                       "print(offered_providers(ort.get_available_providers()))")
     assert "CUDAExecutionProvider" in out and "TensorrtExecutionProvider" not in out, out
 

@@ -161,7 +161,7 @@ def lb(serve_export_dir):
 
 def _traffic(project: LbProject, serve_reference, count: int = REQUESTS) -> None:
     """`count` Encode calls through the balancer on one channel, each checked against PyTorch."""
-    from serve.client import EncoderClient
+    from client import EncoderClient
 
     rng = np.random.default_rng(16)
     with EncoderClient(f"127.0.0.1:{project.lb_port}", retries=0, timeout=30) as client:

@@ -118,7 +118,7 @@ def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export
     assert user == "10001:10001" and restart == "unless-stopped"
 
     from model.mask_kinds import MaskKind
-    from serve.client import EncoderClient
+    from client import EncoderClient
 
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79], np.int64)
     with EncoderClient(f"127.0.0.1:{project.grpc_port}") as client:

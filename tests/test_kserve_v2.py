@@ -41,7 +41,7 @@ def v2(target):
 
 @pytest.fixture(scope="module")
 def encoder(server):
-    from serve.client import EncoderClient
+    from client import EncoderClient
 
     return EncoderClient(server.target)
 
@@ -175,7 +175,7 @@ def test_v2_responses_carry_the_batch_they_ran_in_as_parameters(v2):
 
 # --- the BYTES `texts` input, decoded (serve/kserve.texts_from_v2; served texts: test_text_serving.py) ---
 def _texts_tensor(shape, contents=()):
-    from serve.kserve import M
+    from serve.protocols.kserve_v2 import M
 
     tensor = M["ModelInferRequest"].InferInputTensor(name="texts", datatype="BYTES", shape=shape)
     tensor.contents.bytes_contents.extend(contents)
@@ -187,7 +187,7 @@ def _length_prefixed(*items: bytes) -> bytes:
 
 
 def test_texts_come_from_typed_contents_or_length_prefixed_raw_bytes():
-    from serve.kserve import texts_from_v2
+    from serve.protocols.kserve_v2 import texts_from_v2
 
     assert texts_from_v2(_texts_tensor([2], ["héllo".encode(), b"x"]), None) == ("héllo", "x")
     assert texts_from_v2(_texts_tensor([2]), _length_prefixed("héllo".encode(), b"")) == ("héllo", "")
@@ -202,7 +202,7 @@ def test_texts_come_from_typed_contents_or_length_prefixed_raw_bytes():
 ])
 def test_malformed_texts_name_the_input_and_what_is_wrong(shape, raw, match):
     from serve.errors import ValidationError
-    from serve.kserve import texts_from_v2
+    from serve.protocols.kserve_v2 import texts_from_v2
 
     with pytest.raises(ValidationError, match=match):
         texts_from_v2(_texts_tensor(shape), raw)
@@ -219,7 +219,7 @@ def test_texts_to_a_model_without_tokenizer_is_an_unknown_input(v2):
 def _v2_call(target, request):
     import grpc
 
-    from serve.kserve import M
+    from serve.protocols.kserve_v2 import M
 
     with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
@@ -233,7 +233,7 @@ def _v2_call(target, request):
 
 def _v2_request(*inputs, raw=(), model="serve-test", outputs=(), **parameters):
     """inputs: (name, datatype, shape, typed values or None)."""
-    from serve.kserve import CONTENTS_FIELD, M
+    from serve.protocols.kserve_v2 import CONTENTS_FIELD, M
 
     request = M["ModelInferRequest"](model_name=model)
     for name, datatype, shape, values in inputs:

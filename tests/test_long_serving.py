@@ -1,6 +1,6 @@
 """Long inputs end to end: the real server (subprocess, 127.0.0.1) picks each row's attention path,
 answers long sparse requests equal to the dense PyTorch encoder, and refuses what would not fit its
-memory budget with RESOURCE_EXHAUSTED while it keeps serving (serve/attention_budget.py)."""
+memory budget with RESOURCE_EXHAUSTED while it keeps serving (serve/core/attention_budget.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
-from serve.client import EncoderClient, build_request
+from client import EncoderClient, build_request
 from tests.concurrency import call_concurrently
 
 ATOL = FP32_TOLERANCE["limit"]
@@ -40,7 +40,7 @@ def test_a_long_sliding_window_request_runs_sparse_and_equals_pytorch(server, re
                                       timeout=120)
     assert list(response.metadata.attention_paths) == ["sparse"]
     hidden, pooled = reference(ids, MaskKind.SLIDING_WINDOW, window=16)
-    from serve.client import parse_response
+    from client import parse_response
 
     out = parse_response(response)
     np.testing.assert_allclose(out.hidden_states[0], hidden, atol=ATOL, rtol=0)

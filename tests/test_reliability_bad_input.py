@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from export.contract import FP32_TOLERANCE
 from serve.errors import MAX_MESSAGE_BYTES
-from serve.pb import pb
+from serve.protocols.pb import pb
 from tests.reliability_common import count
 
 ATOL = FP32_TOLERANCE["limit"]

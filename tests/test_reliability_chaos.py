@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.client import build_request, parse_response
-from serve.pb import pb_grpc
+from client import build_request, parse_response
+from serve.protocols.pb import pb_grpc
 from tests.reliability_common import assert_sigterm_under_load_answers_every_accepted_request, count
 
 pytestmark = pytest.mark.chaos

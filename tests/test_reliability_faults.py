@@ -21,8 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from export.contract import FP32_TOLERANCE
-from serve.client import EncoderClient, build_request, parse_response
-from serve.pb import pb_grpc
+from client import EncoderClient, build_request, parse_response
+from serve.protocols.pb import pb_grpc
 from tests.reliability_common import InProcessServer, corrupt_export, count, wait_until
 from tests.subprocess_env import REPO, repo_env
 
@@ -91,7 +91,7 @@ def test_a_failing_inference_call_fails_only_its_request_and_the_server_keeps_se
         stub = pb_grpc.EncoderServiceStub(channel)
         seqs = {i: _ids(3 + 5 * i, 100 + i) for i in range(6)}
         seqs[3] = seqs[3].copy()
-        seqs[3][1] = POISON  # the backend fails any batch holding this id (serve/faults.py)
+        seqs[3][1] = POISON  # the backend fails any batch holding this id (serve/backend/faults.py)
         futures = {i: stub.Encode.future(build_request([s]), timeout=30) for i, s in seqs.items()}
         for i, future in futures.items():
             if i == 3:
@@ -201,7 +201,7 @@ BROKEN = {
 def test_every_broken_model_is_refused_by_the_load_path_with_a_clear_error(serve_export_dir, tmp_path, how):
     from serve.config import ServerConfig
     from serve.errors import ServeError
-    from serve.loading import build_engine, default_backend
+    from serve.assembly.loading import build_engine, default_backend
 
     broken = corrupt_export(serve_export_dir, tmp_path / "export", how)
     config = ServerConfig(port=0, metrics_port=-1, export_dir=str(broken))

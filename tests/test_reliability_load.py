@@ -8,7 +8,7 @@ Quick by default (~6 s of load). Longer soak, documented in docs/reliability.md:
 The mix: 1-4 sequences of length 1-127, INT64 and INT32 ids, every mask kind (custom included),
 hidden states or not, every pooling, normalised or not; plus a share of requests that must fail
 cleanly: invalid (INVALID_ARGUMENT), poisoned (the server runs with --fault-inject poison_token=99:
-that request alone gets INTERNAL, serve/faults.py), near-zero deadlines (DEADLINE_EXCEEDED or OK),
+that request alone gets INTERNAL, serve/backend/faults.py), near-zero deadlines (DEADLINE_EXCEEDED or OK),
 client cancellations (CANCELLED or OK), and bidirectional streams (one answer per request, in order).
 """
 
@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
-from serve.client import build_request, parse_response
-from serve.pb import pb, pb_grpc
+from client import build_request, parse_response
+from serve.protocols.pb import pb, pb_grpc
 from tests.reliability_common import LATENCY, count
 
 ATOL = FP32_TOLERANCE["limit"]

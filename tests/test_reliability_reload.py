@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from export.contract import FP32_TOLERANCE
-from serve.client import EncoderClient, build_request, parse_response
-from serve.pb import pb_grpc
+from client import EncoderClient, build_request, parse_response
+from serve.protocols.pb import pb_grpc
 from tests.reliability_common import InProcessServer, copy_with_new_graph_bytes, corrupt_export, count, wait_until
 
 ATOL = FP32_TOLERANCE["limit"]

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.client import EncoderClient, main as client_main
+from client import EncoderClient, main as client_main
 from serve.config import ServerConfig
 from tests.reliability_common import InProcessServer, count, make_certs
 
@@ -69,7 +69,7 @@ def test_a_missing_or_wrong_token_is_unauthenticated_on_every_rpc_but_health(mtl
 
 
 def test_a_wrong_token_on_a_stream_is_unauthenticated(mtls_token_server, certs):
-    from serve.client import build_request
+    from client import build_request
 
     with _client(mtls_token_server, certs, token="wrong") as client:
         with pytest.raises(grpc.RpcError) as caught:

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from export.contract import FP32_TOLERANCE
 from model.mask_kinds import MaskKind
-from serve.client import EncoderClient, build_request
-from serve.pb import pb
-from serve.tensors import from_numpy
+from client import EncoderClient, build_request
+from serve.protocols.pb import pb
+from serve.protocols.tensors import from_numpy
 from tests.concurrency import call_concurrently
 
 ATOL = FP32_TOLERANCE["limit"]
@@ -265,7 +265,7 @@ def test_reflection_lists_the_encoder_and_the_kserve_v2_services(server):
                                             ("encoder.v1.EncoderService", "Encode")])
 def test_reflection_describes_each_listed_service(server, service, method):
     """What grpcurl asks for `describe` and calls: the file defining the service (the v2 one lives in
-    serve/kserve.py's own descriptor pool, not protobuf's default one)."""
+    serve/protocols/kserve_v2.py's own descriptor pool, not protobuf's default one)."""
     from google.protobuf import descriptor_pb2
 
     (response,) = _reflection(server, reflection_pb2.ServerReflectionRequest(file_containing_symbol=service))
@@ -284,7 +284,7 @@ def test_metrics_count_requests_by_method_and_status(server, client):
     assert "encoder_queue_depth" in text and "encoder_inference_seconds_bucket" in text
 
 
-# --- length-sorted runs (serve/batch_plan.py) ---------------------------------------------------
+# --- length-sorted runs (serve/core/batch_plan.py) ---------------------------------------------------
 @pytest.fixture(scope="module")
 def split_server(serve_start, serve_export_dir):
     """Batches gather for 300 ms; the per-run cost is pinned at 50 tokens, so the runs are known in

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.app import create_server
-from serve.client import EncoderClient, build_request
+from serve.assembly.app import create_server
+from client import EncoderClient, build_request
 from serve.config import ServerConfig
-from serve.loading import default_backend
-from serve.pb import pb_grpc
+from serve.assembly.loading import default_backend
+from serve.protocols.pb import pb_grpc
 from tests.reliability_common import assert_sigterm_under_load_answers_every_accepted_request, wait_until
 from tests.subprocess_env import REPO, repo_env
 

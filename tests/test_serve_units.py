@@ -16,16 +16,17 @@ import pytest
 
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve import errors, proto_stamp
+from serve import errors
+from serve.protocols import proto_stamp
 from tools import protogen
-from serve.backend import BackendInfo
-from serve.batch_plan import RunCost
-from serve.batcher import Batcher
+from serve.backend.session import BackendInfo
+from serve.core.batch_plan import RunCost
+from serve.core.batcher import Batcher
 from serve.config import ServerConfig, load_config
-from serve.core import EncodeRequest, Limits, MaskChoice, to_rows
-from serve.export_dir import ExportError, load_export
-from serve.pb import pb
-from serve.tensors import from_numpy, to_numpy
+from serve.core.requests import EncodeRequest, Limits, MaskChoice, to_rows
+from serve.backend.export_dir import ExportError, load_export
+from serve.protocols.pb import pb
+from serve.protocols.tensors import from_numpy, to_numpy
 from tests.subprocess_env import REPO, repo_env
 
 CONFIG = EncoderConfig(d_model=8, n_heads=2, n_layers=1, d_ff=16, vocab_size=50, max_positions=32)
@@ -77,7 +78,7 @@ def test_config_flags_override_environment_which_overrides_defaults():
 
 
 def test_cuda_provider_keeps_fp32_exact_with_tf32_off_unless_asked_for():
-    from serve.backend import CPU, CUDA, choose_providers
+    from serve.backend.session import CPU, CUDA, choose_providers
 
     available = [CUDA, CPU]
     assert choose_providers("cuda", 1, available) == [(CUDA, {"device_id": 1, "use_tf32": "0"}), CPU]
@@ -90,7 +91,7 @@ def test_tensorrt_is_offered_only_where_its_library_loads():
     """The decision, on onnxruntime-gpu's provider list with the loader faked: no GPU and no TensorRT
     here. onnxruntime-gpu lists TensorRT whenever the wheel has the provider; the GPU image has no
     libnvinfer.so.10, so the server must not offer it (GetModelInfo.available_providers)."""
-    from serve.backend import CPU, CUDA, TENSORRT, TENSORRT_LIBRARY, offered_providers
+    from serve.backend.session import CPU, CUDA, TENSORRT, TENSORRT_LIBRARY, offered_providers
 
     gpu_wheel = [TENSORRT, CUDA, CPU]
     asked = []
@@ -106,7 +107,7 @@ def test_tensorrt_is_offered_only_where_its_library_loads():
 
 
 def test_can_load_asks_the_real_dynamic_loader():
-    from serve.backend import can_load
+    from serve.backend.session import can_load
 
     assert can_load("libc.so.6")
     assert not can_load("libnvinfer-that-is-not-installed.so.10")
@@ -413,7 +414,7 @@ def test_batcher_abandon_covers_every_running_instance():
 def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir):
     import os
 
-    from serve.backend import OnnxRuntimeBackend
+    from serve.backend.session import OnnxRuntimeBackend
 
     cpus = len(os.sched_getaffinity(0))
     for instances in (1, 2):
@@ -577,8 +578,8 @@ def test_a_missing_or_edited_generated_file_is_refused_at_import(generated, arte
 
 
 def test_the_kserve_descriptors_describe_the_v2_service_the_server_registers():
-    from serve import kserve
-    from serve.pb import kserve_descriptors
+    from serve.protocols import kserve_v2 as kserve
+    from serve.protocols.pb import kserve_descriptors
 
     names = {file.name for file in kserve_descriptors().file}
     assert proto_stamp.KSERVE_PROTO in names
@@ -592,10 +593,10 @@ def test_serving_never_imports_torch_nor_runs_protoc(serve_export_dir):
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 sys.modules["grpc_tools"] = None  # and so does any `import grpc_tools` (protoc)
-import serve.app, serve.client, serve.servicer, serve.kserve, serve.admin, serve.backend, serve.batcher
+import serve.assembly.app, client, serve.protocols.encoder_v1, serve.protocols.kserve_v2, serve.protocols.admin, serve.backend.session, serve.core.batcher
 import serve.__main__
-from serve.app import create_server
-from serve.client import EncoderClient
+from serve.assembly.app import create_server
+from client import EncoderClient
 from serve.config import ServerConfig
 server, port = create_server(ServerConfig(port=0, metrics_port=-1, admin=True,
                                           export_dir={str(serve_export_dir)!r}))

@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from serve.client import EncoderClient, main as client_main
-from serve.pb import pb
+from client import EncoderClient, main as client_main
+from serve.protocols.pb import pb
 
 EMBEDDING_ATOL = 1e-4  # max abs difference of a pooled, normalised embedding
 MIN_COSINE = 0.99999
@@ -271,7 +271,7 @@ def test_server_refuses_a_tokenizer_that_changed_after_export(serve_start, text_
     assert "startup_failed" in log and "tokenizer.json: sha256" in log and "does not match metadata.json" in log
 
 
-# --- texts over KServe v2 (serve/kserve.py): a BYTES input named `texts` -------------------------
+# --- texts over KServe v2 (serve/protocols/kserve_v2.py): a BYTES input named `texts` -------------------------
 @pytest.fixture(scope="module")
 def v2(text_server, client):
     """(tritonclient.grpc client, the served model's name)."""

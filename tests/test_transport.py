@@ -12,8 +12,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from serve.client import EncoderClient, build_request  # noqa: E402
-from serve.pb import pb_grpc  # noqa: E402
+from client import EncoderClient, build_request  # noqa: E402
+from serve.protocols.pb import pb_grpc  # noqa: E402
 from tests.conftest import TRANSPORTS  # noqa: E402
 from tests.reliability_common import (  # noqa: E402
     assert_sigterm_under_load_answers_every_accepted_request,

@@ -2,13 +2,13 @@
 
 Run by `make proto` (which `make test`, `make run` and `make bench` call) and by the image's build
 stage (docker/Dockerfile); nothing runs it at import, so grpcio-tools is a build dependency (the
-`dev` extra), never the server's. What it writes and how the server checks it: serve/proto_stamp.py.
+`dev` extra), never the server's. What it writes and how the server checks it: serve/protocols/proto_stamp.py.
 
 grpcio-tools runs protoc with `-I protos`, so descriptors keep their canonical names
 (`encoder/v1/encoder.proto`, which reflection shows). For protos/encoder it writes Python modules;
 protoc writes absolute imports (`from encoder.v1 import encoder_pb2`), which we rewrite to
 `serve._proto.encoder.v1`, so the generated package imports without touching sys.path. For
-protos/kserve it writes a serialized FileDescriptorSet instead, which serve/kserve.py loads into its
+protos/kserve it writes a serialized FileDescriptorSet instead, which serve/protocols/kserve_v2.py loads into its
 private descriptor pool. The output is deterministic (a test regenerates and compares), and the
 STAMP records the hash of the .proto sources, the generator version and every file written.
 """
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serve.proto_stamp import (DESCRIPTOR_SET_PROTOS, OUT_DIR, PROTO_DIR, ROOT, STAMP, GeneratedCodeError, check,
+from serve.protocols.proto_stamp import (DESCRIPTOR_SET_PROTOS, OUT_DIR, PROTO_DIR, ROOT, STAMP, GeneratedCodeError, check,
                                proto_files, sources_digest, stamp_text)
 
 PACKAGE = "serve._proto"

@@ -13,6 +13,7 @@ from concurrent import futures
 
 import grpc
 
+from serve import logs
 from serve.transport.rpc import Registry, Router, Rpc
 
 _DONE = object()
@@ -29,6 +30,9 @@ class GrpcioRpc(Rpc):
 
     def _close(self, code, message, payload) -> None:
         self.outbox.put((_DONE, code, message, payload))
+
+    def _gone(self) -> None:  # the handler thread stops waiting; grpcio has ended the call already
+        self.outbox.put((_DONE, grpc.StatusCode.CANCELLED, "cancelled", None))
 
 
 class _Handler(grpc.GenericRpcHandler):
@@ -93,7 +97,8 @@ class GrpcioTransport:
     def __init__(self, address: str, router: Router, registry: Registry, max_receive_bytes: int,
                  credentials: grpc.ServerCredentials | None, workers: int) -> None:
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc",
+                                       initializer=logs.name_thread, initargs=("grpcio-handler",)),
             options=[("grpc.max_receive_message_length", max_receive_bytes),
                      ("grpc.max_send_message_length", -1)],
         )

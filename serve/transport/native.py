@@ -79,6 +79,7 @@ class NativeTransport:
         self._thread.start()
 
     def _pump(self) -> None:
+        logs.name_thread("transport-pump")
         m, t, router, calls = self._m, self._t, self._router, self._calls
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
         while not self._stopping:

@@ -4,9 +4,9 @@ A transport (serve/transport/native.py: gRPC C++; serve/transport/grpcio.py: grp
 only moves bytes: it turns what arrived into an `Rpc` and calls the Router's `start` / `message` /
 `half_close` / `cancel`; the Router answers through `Rpc.reply` / `write` / `fail`, which the
 transport sends. Everything a call is checked against lives above this line, once: the bearer token
-(serve/security.py), bytes that are not the method's message (INVALID_ARGUMENT naming the method),
+(serve/transport/security.py), bytes that are not the method's message (INVALID_ARGUMENT naming the method),
 unknown methods (UNIMPLEMENTED), and then the protocol adapters (encoder.v1, KServe v2, Admin, health,
-reflection), which admit, validate, batch and map errors to status codes through serve/edge.py and
+reflection), which admit, validate, batch and map errors to status codes through serve/protocols/edge.py and
 serve/errors.py.
 
 Methods come in two kinds:
@@ -29,7 +29,8 @@ from typing import Callable, Iterable
 
 import grpc
 
-from serve import logs, security
+from serve import logs
+from serve.transport import security
 from serve.errors import to_status
 
 log = logging.getLogger("serve.transport")
@@ -115,7 +116,11 @@ class Rpc:
 
     def cancelled(self) -> None:
         """The client (or its deadline) ended the call: run the end callbacks; nothing more is sent."""
-        self._end()
+        if self._end():
+            self._gone()
+
+    def _gone(self) -> None:
+        """A transport's hook: the call ended without an answer (cancelled)."""
 
     def _end(self) -> bool:
         """Marks the call ended and runs its callbacks; False when it had ended already."""
@@ -177,7 +182,8 @@ class Router:
     def __init__(self, registry: Registry, auth_token: str = "", workers: int = 32) -> None:
         self._registry = registry
         self._token = security.TokenCheck(auth_token) if auth_token else None
-        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc")
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc",
+                                                initializer=logs.name_thread, initargs=("rpc-worker",))
 
     def known(self, method: str) -> bool:
         return method in self._registry.handlers or method in self._registry.started

@@ -23,10 +23,10 @@ import numpy as np
 from model.attention_paths import DENSE
 
 from serve import logs
-from serve.backend import Backend
+from serve.backend.session import Backend
 from serve.errors import BackendError
 
-log = logging.getLogger("serve.faults")
+log = logging.getLogger("serve.backend.faults")
 
 
 def parse(spec: str) -> dict[str, int]:

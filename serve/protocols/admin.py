@@ -1,8 +1,8 @@
 """`encoder.v1.AdminService` (`--admin`): protobuf <-> the server's hot swap, nothing more.
 
-ReloadModel calls `EncoderServer.reload` (serve/app.py), which builds, checks and swaps in the new
+ReloadModel calls `EncoderServer.reload` (serve/assembly/app.py), which builds, checks and swaps in the new
 model or refuses it (the old one keeps serving); deadline, metrics and status are the shared edge's
-(serve/edge.py), as for Encode and KServe v2. SIGHUP reloads without this service.
+(serve/protocols/edge.py), as for Encode and KServe v2. SIGHUP reloads without this service.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Callable
 
 import grpc
 
-from serve.edge import Call
-from serve.loading import Reloaded
-from serve.metrics import Metrics
-from serve.pb import admin_pb, admin_pb_grpc
+from serve.protocols.edge import Call
+from serve.core.engine import Reloaded
+from serve.core.metrics import Metrics
+from serve.protocols.pb import admin_pb, admin_pb_grpc
 
 ADMIN_SERVICE_NAME = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name  # "encoder.v1.AdminService"
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from model.attention_paths import DENSE, RowMask
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
+from serve.backend.feeds import Row
 from serve.errors import ValidationError
 
 POOLINGS = ("mean", "first", "none")  # what EncodeRequest.pooling may be (KServe v2 lists them in this order)
@@ -34,31 +34,11 @@ class EncodeRequest:
     pooling: str = "mean"  # one of POOLINGS
     normalize: bool = False
     request_id: str = ""
-    texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/text.py)
+    texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/core/text.py)
     truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
     truncated: tuple[bool, ...] = ()  # texts only, set by the Engine: which texts were cut
-    chunk: bool = False  # texts only: encode a long text as overlapping windows, pooled (serve/text.py)
+    chunk: bool = False  # texts only: encode a long text as overlapping windows, pooled (serve/core/text.py)
     chunks: tuple[int, ...] = ()  # texts only, set by the Engine with chunk: rows (windows) per text
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sequence of a request, as the batcher pads it into a batch."""
-
-    inputs: np.ndarray  # int64 [T] or float32 [T, D]
-    kind: int
-    causal: bool
-    window: int
-    step: int
-    custom: np.ndarray | None  # bool [T, T] for custom rows
-
-    @property
-    def length(self) -> int:
-        return int(self.inputs.shape[0])
-
-    @property
-    def mask(self) -> RowMask:
-        return RowMask(MaskKind(self.kind), self.window, self.step)
 
 
 @dataclass(frozen=True)
@@ -185,36 +165,3 @@ def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.n
                 f"(needs [{length}, {length}]; for sequences of unequal length send [B, Tmax, Tmax])"
             )
     return matrices
-
-
-def pad_batch(rows: list[Row], length: int, config: EncoderConfig, path: str = DENSE) -> dict[str, np.ndarray]:
-    """The graph's inputs for `rows` on attention `path`, right-padded to `length` (padding is masked
-    out). Only the dense graph takes the [B, T, T] custom mask."""
-    n = len(rows)
-    if config.input_kind == "tokens":
-        first_name = "input_ids"
-        first = np.full((n, length), config.pad_token_id, np.int64)
-    else:
-        first_name = "inputs_embeds"
-        first = np.zeros((n, length, config.d_model), np.float32)
-    attention = np.zeros((n, length), np.int64)
-    custom = np.ones((n, length, length), bool) if path == DENSE else None
-    for b, row in enumerate(rows):
-        first[b, : row.length] = row.inputs
-        attention[b, : row.length] = 1
-        if row.custom is not None:
-            custom[b] = False
-            custom[b, : row.length, : row.length] = row.custom
-    feeds = {
-        first_name: first,
-        "attention_mask": attention,
-        "mask_kind": np.array([r.kind for r in rows], np.int64),
-        "mask_causal": np.array([r.causal for r in rows], bool),
-        "mask_window": np.array([r.window for r in rows], np.int64),
-        "mask_step": np.array([max(r.step, 1) for r in rows], np.int64),
-    }
-    if custom is not None:
-        feeds["custom_mask"] = custom
-    if config.type_vocab_size:
-        feeds["token_type_ids"] = np.zeros((n, length), np.int64)
-    return feeds

@@ -2,11 +2,11 @@
 
 `python -m tools.protogen` (a build step: `make proto`, the image's build stage) writes serve/_proto/:
   encoder/v1/*_pb2*.py          Python modules for protos/encoder (protobuf's default pool)
-  kserve/v2/grpc_predict_v2.binpb  a serialized FileDescriptorSet for protos/kserve, which serve/kserve.py
+  kserve/v2/grpc_predict_v2.binpb  a serialized FileDescriptorSet for protos/kserve, which serve/protocols/kserve_v2.py
                                 loads into its PRIVATE descriptor pool (why: that module's docstring)
   STAMP                         first line: the hash of protos/ and the generator version; then the
                                 sha256 of every file written
-At import (serve/pb.py) `check()` refuses a missing, incomplete, hand-edited or stale serve/_proto with
+At import (serve/protocols/pb.py) `check()` refuses a missing, incomplete, hand-edited or stale serve/_proto with
 one message saying to run the build step; nothing is generated at import, so the server runs without
 grpcio-tools.
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 PROTO_DIR = ROOT / "protos"
-OUT_DIR = Path(__file__).resolve().parent / "_proto"
+OUT_DIR = ROOT / "serve" / "_proto"
 STAMP = "STAMP"
 DESCRIPTOR_SET_PROTOS = ("kserve",)  # top-level directories of protos/ compiled to a descriptor set, not Python
 KSERVE_PROTO = "kserve/v2/grpc_predict_v2.proto"

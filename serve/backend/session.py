@@ -20,11 +20,11 @@ from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.signature import OUTPUT_NAMES, input_specs
 from serve import logs
-from serve.core import Row, pad_batch
+from serve.backend.feeds import Row, pad_batch
 from serve.errors import BackendError
-from serve.export_dir import ExportDir
+from serve.backend.export_dir import ExportDir
 
-log = logging.getLogger("serve.backend")
+log = logging.getLogger("serve.backend.session")
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"

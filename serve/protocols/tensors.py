@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from serve.errors import ValidationError
-from serve.pb import pb
+from serve.protocols.pb import pb
 
 # proto DataType -> little-endian numpy dtype, and back.
 DTYPES: dict[int, np.dtype] = {

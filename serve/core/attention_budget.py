@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve.core import Row
+from serve.backend.feeds import Row
 from serve.errors import TooLarge
 
 # The share of the memory this process may use that attention may take by default.

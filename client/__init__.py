@@ -6,10 +6,10 @@
     out = client.embed(["some text", "more"], truncate=True)  # models with a tokenizer
     out.embeddings, out.token_counts  # float32 [2, d_model] (the export's pooling), (4, 3)
 
-    python -m serve.client encode --ids 1,2,3 --ids 4,5 --mask causal
-    python -m serve.client embed "some text" "more" [--out vectors.npy | --out vectors.jsonl]
-    cat lines.txt | python -m serve.client embed -        (serve/embed.py)
-    python -m serve.client info
+    python -m client encode --ids 1,2,3 --ids 4,5 --mask causal
+    python -m client embed "some text" "more" [--out vectors.npy | --out vectors.jsonl]
+    cat lines.txt | python -m client embed -        (client/embed.py)
+    python -m client info
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model.mask_kinds import MaskKind
-from serve.pb import admin_pb, admin_pb_grpc, pb, pb_grpc
-from serve.tensors import from_numpy, to_numpy
+from serve.protocols.pb import admin_pb, admin_pb_grpc, pb, pb_grpc
+from serve.protocols.tensors import from_numpy, to_numpy
 
 _POOLING = {None: pb.POOLING_DEFAULT, "default": pb.POOLING_DEFAULT, "none": pb.POOLING_NONE,
             "mean": pb.POOLING_MEAN, "first": pb.POOLING_FIRST}
@@ -205,7 +205,7 @@ class EncoderClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve.client")
+    parser = argparse.ArgumentParser(prog="python -m client")
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call, retries and waiting included")
     parser.add_argument("--retries", type=int, default=3,
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     enc.add_argument("--hidden", action="store_true", help="also return per-token hidden states")
     sub.add_parser("info", help="print the served model")
     sub.add_parser("health", help="print the health status")
-    from serve import embed  # the `embed` command (texts -> sentence embeddings)
+    from client import embed  # the `embed` command (texts -> sentence embeddings)
 
     embed.add_parser(sub)
     reload = sub.add_parser("reload", help="swap in a new export directory without downtime (server --admin)")

@@ -1,8 +1,8 @@
 """The client CLI's `embed` command: texts in, sentence embeddings out (models with a tokenizer).
 
-    python -m serve.client embed "some text" "more"              # prints a summary
-    python -m serve.client embed - < lines.txt --out vectors.npy  # one text per non-empty line
-    python -m serve.client embed "a" "b" --out vectors.jsonl --truncate
+    python -m client embed "some text" "more"              # prints a summary
+    python -m client embed - < lines.txt --out vectors.npy  # one text per non-empty line
+    python -m client embed "a" "b" --out vectors.jsonl --truncate
 
 Texts come from the arguments, or from stdin when there are none or the only one is `-` (one text
 per line; empty lines are skipped, so row i of the output is the i-th non-empty line). They are

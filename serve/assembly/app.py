@@ -25,20 +25,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serve import kserve, logs, security
-from serve.admin import ADMIN_SERVICE_NAME, add_admin_to_server
+from serve import logs
+from serve.protocols import kserve_v2 as kserve
+from serve.transport import security
+from serve.protocols.admin import ADMIN_SERVICE_NAME, add_admin_to_server
 from serve.config import ServerConfig
-from serve.engine import Engine
+from serve.core.engine import Engine
 from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
-from serve.loading import BackendFactory, Reloaded, build_engine, default_backend, retire
-from serve.metrics import Metrics
-from serve.pb import pb, pb_grpc
-from serve.servicer import ENCODE, EncoderServicer
+from serve.assembly.loading import BackendFactory, build_engine, default_backend, retire
+from serve.core.engine import Reloaded
+from serve.core.metrics import Metrics
+from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.encoder_v1 import ENCODE, EncoderServicer
 from serve.transport import native
 from serve.transport.grpcio import GrpcioTransport
 from serve.transport.rpc import Registry, Router
 
-log = logging.getLogger("serve.app")
+log = logging.getLogger("serve.assembly.app")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 NOT_SERVING = "; not serving (health NOT_SERVING), retry later or on another replica"
@@ -75,14 +78,14 @@ class EncoderServer:
         encoder = EncoderServicer(self.admit, self.metrics, config.max_request_bytes)
         pb_grpc.add_EncoderServiceServicer_to_server(encoder, registry)
         registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
-        # KServe v2 / Open Inference Protocol on the same engine (serve/kserve.py, docs/deployment.md)
+        # KServe v2 / Open Inference Protocol on the same engine (serve/protocols/kserve_v2.py, docs/deployment.md)
         kserve.add_kserve_to_server(self.admit, self.metrics, registry)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        if config.admin:  # ReloadModel (serve/admin.py); SIGHUP reloads without it
+        if config.admin:  # ReloadModel (serve/protocols/admin.py); SIGHUP reloads without it
             add_admin_to_server(self.reload, self.metrics, registry)
             services.append(ADMIN_SERVICE_NAME)
-        # the v2 messages live in their own pool (serve/kserve.py): reflection reads both
+        # the v2 messages live in their own pool (serve/protocols/kserve_v2.py): reflection reads both
         reflection.enable_server_reflection(tuple(services), registry, pool=kserve.ReflectionPool())
         self._set_health(False)
         self.router = Router(registry, config.auth_token, config.workers)
@@ -191,7 +194,7 @@ class EncoderServer:
         c = self.config
         self._state = "loading"
         started = time.monotonic()
-        # load + sha256 + session checks + warm-up + a probe inference (serve/loading.py)
+        # load + sha256 + session checks + warm-up + a probe inference (serve/assembly/loading.py)
         engine, warm_s = build_engine(c.export_dir, c.graph, c, self._backend_factory,
                                       self.metrics.observe_batcher)
         export, backend = engine.export, engine.backend
@@ -209,13 +212,13 @@ class EncoderServer:
 
     def reload(self, export_dir: str = "", graph: str = "") -> Reloaded:
         """Swaps in a new model without downtime: `export_dir` ("" re-reads the served one) is built
-        and checked beside the old engine while the old keeps serving (serve/loading.py), then the
+        and checked beside the old engine while the old keeps serving (serve/assembly/loading.py), then the
         engine reference is swapped under the lock (one assignment: a request sees the old engine or
         the new one, never a mix). The old engine is retired in the background: it answers what it
         holds (requests admitted before the swap answer from the old model, and say so in
         `metadata.model_sha256`), then stops. Any failure before the swap raises ModelRefused and
         changes nothing; a reload while another runs raises Overloaded. Triggered by
-        `encoder.v1.AdminService/ReloadModel` (`--admin`, serve/admin.py) or SIGHUP."""
+        `encoder.v1.AdminService/ReloadModel` (`--admin`, serve/protocols/admin.py) or SIGHUP."""
         if not self._reload_lock.acquire(blocking=False):
             raise Overloaded("reload: another reload is in progress; retry when it finishes")
         try:

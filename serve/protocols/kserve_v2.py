@@ -2,7 +2,7 @@
 
 tritonclient.grpc and KServe clients work unchanged. The servicer converts v2 messages to our own
 EncodeRequest and back, nothing more: validation, admission and batching are the Engine's, and
-deadline, metrics and status codes are the shared edge's (serve/edge.py), as for the Encode service.
+deadline, metrics and status codes are the shared edge's (serve/protocols/edge.py), as for the Encode service.
 
 The v2 view of the served export (ModelMetadata says the same):
   inputs   input_ids       INT64|INT32 [B, T]     (inputs_embeds FP32 [B, T, D] for feature models)
@@ -11,7 +11,7 @@ The v2 view of the served export (ModelMetadata says the same):
            custom_mask     BOOL [T, T] or [B, T, T]  only with mask_kind=custom; rows of unequal length
                                                   (attention_mask): row i uses its top-left [T_i, T_i]
            texts           BYTES [B]              UTF-8 texts instead of input_ids, for exports with a
-                                                  tokenizer (serve/text.py, as Encode's `texts`)
+                                                  tokenizer (serve/core/text.py, as Encode's `texts`)
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
            embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
   request parameters (all optional): mask_kind (label or int), window, step, causal,
@@ -24,7 +24,7 @@ Only the requested outputs are computed (none requested: all of them, as the pro
 
 Message classes live in a PRIVATE descriptor pool built from protos/kserve/v2/grpc_predict_v2.proto
 (compiled to a FileDescriptorSet by the build step, `python -m tools.protogen`, and loaded through
-serve/pb.py, which refuses a missing or stale one), not in protobuf's default pool: tritonclient
+serve/protocols/pb.py, which refuses a missing or stale one), not in protobuf's default pool: tritonclient
 registers the same `inference.*` names from Triton's grpc_service.proto there, and two files
 defining one symbol in one pool is a hard import error. The wire format, and so the service's
 method paths, are the same either way.
@@ -40,13 +40,13 @@ import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
 from model.mask_kinds import MaskKind
-from serve.core import POOLINGS, EncodeRequest, EncodeResult, MaskChoice
-from serve.edge import Call, deadline_of
-from serve.engine import Engine
+from serve.core.requests import POOLINGS, EncodeRequest, EncodeResult, MaskChoice
+from serve.protocols.edge import Call
+from serve.core.engine import Engine
 from serve.errors import ServeError, ValidationError, clip, quote
-from serve.metrics import Metrics
-from serve.pb import kserve_descriptors
-from serve.tensors import array_from_bytes, check_shape
+from serve.core.metrics import Metrics
+from serve.protocols.pb import kserve_descriptors
+from serve.protocols.tensors import array_from_bytes, check_shape
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "onnx-encoder-service"

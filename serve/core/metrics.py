@@ -16,6 +16,9 @@ class Metrics:
                                 ["method", "code"], registry=r)
         self.sequences = Counter("encoder_sequences", "Sequences encoded", registry=r)
         self.queue_seconds = Histogram("encoder_queue_seconds", "Admitted -> batch start", buckets=_LATENCY, registry=r)
+        self.session_run_cpu = Counter("encoder_session_run_cpu_seconds", "CPU time of the calling (batcher) "
+                                       "threads inside session.run; ONNX Runtime's pool threads not included",
+                                       registry=r)
         self.inference_seconds = Histogram("encoder_inference_seconds", "session.run of one batch",
                                            buckets=_LATENCY, registry=r)
         self.total_seconds = Histogram("encoder_request_seconds", "Request received -> response built",
@@ -45,7 +48,7 @@ class Metrics:
     def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,
                         padding_tokens: int | None = None, path: str | None = None,
-                        queue_s: float | None = None) -> None:
+                        queue_s: float | None = None, run_cpu_s: float | None = None) -> None:
         if queue_depth is not None:
             self.queue_depth.set(queue_depth)
         if batch_size is not None:
@@ -60,6 +63,8 @@ class Metrics:
             self.path_rows.labels(path=path).inc(batch_size)
         if queue_s is not None:
             self.queue_seconds.observe(queue_s)
+        if run_cpu_s is not None:
+            self.session_run_cpu.inc(run_cpu_s)
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts /metrics; returns the bound port (port 0: the OS chooses)."""

@@ -22,7 +22,7 @@ import numpy as np
 from model.config import EncoderConfig
 from model.text import TokenizerError, read_tokenizer
 from serve.errors import ValidationError
-from serve.export_dir import ExportDir, ExportError
+from serve.backend.export_dir import ExportDir, ExportError
 
 
 class TextTokenizer:

@@ -1,12 +1,12 @@
 """The generated protobuf code, checked and loaded (never generated here: `python -m tools.protogen`).
 
 Importing this fails with GeneratedCodeError, saying what to run, when serve/_proto is missing,
-incomplete, edited or older than protos/ (serve/proto_stamp.py).
+incomplete, edited or older than protos/ (serve/protocols/proto_stamp.py).
 """
 
 from google.protobuf import descriptor_pb2
 
-from serve import proto_stamp
+from serve.protocols import proto_stamp
 
 proto_stamp.check()
 

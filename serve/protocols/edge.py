@@ -1,5 +1,5 @@
-"""The edge of every RPC, shared by Encode (serve/servicer.py), KServe v2 (serve/kserve.py) and Admin
-(serve/admin.py): the call's deadline, its metrics, and its status.
+"""The edge of every RPC, shared by Encode (serve/protocols/encoder_v1.py), KServe v2 (serve/protocols/kserve_v2.py) and Admin
+(serve/protocols/admin.py): the call's deadline, its metrics, and its status.
 
     with Call(metrics, "Encode", context) as call:   # call.received: when the handler started
         ... raise any error ...
@@ -19,9 +19,9 @@ import grpc
 
 from serve import logs
 from serve.errors import ServeError, to_status
-from serve.metrics import Metrics
+from serve.core.metrics import Metrics
 
-log = logging.getLogger("serve.edge")
+log = logging.getLogger("serve.protocols.edge")
 
 NO_DEADLINE_S = 10 * 365 * 86400.0  # gRPC reports ~2**63 ns (not None) when the client set no deadline
 

@@ -10,7 +10,7 @@ max_batch_size rows and max_batch_tokens (rows x padded length). Each row carrie
 kind, since the graph takes per-row mask inputs, so requests with different masks batch together.
 Padding is masked out of attention, so a row's result does not depend on its batch-mates.
 With a RunCost (ServerConfig.length_split), a batch of mixed lengths runs as length-sorted
-session.runs, each padded to its own longest row, where that saves work (serve/batch_plan.py).
+session.runs, each padded to its own longest row, where that saves work (serve/core/batch_plan.py).
 Cancelled and deadline-expired requests are dropped when the batch is formed.
 A batch whose inference fails is re-run request by request, so one bad request fails alone (INTERNAL).
 """
@@ -29,13 +29,14 @@ from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve import logs
-from serve.attention_budget import AttentionBudget
-from serve.backend import Backend
-from serve.batch_plan import RunCost, plan_runs
-from serve.core import EncodeRequest, EncodeResult, Row, SequenceOutput, pad_batch
+from serve.core.attention_budget import AttentionBudget
+from serve.backend.session import Backend
+from serve.core.batch_plan import RunCost, plan_runs
+from serve.backend.feeds import Row, pad_batch
+from serve.core.requests import EncodeRequest, EncodeResult, SequenceOutput
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
 
-log = logging.getLogger("serve.batcher")
+log = logging.getLogger("serve.core.batcher")
 _FINISH = threading.Lock()  # a ticket is finished once: by its batch, or by a drain that abandons it
 
 
@@ -49,7 +50,7 @@ class Ticket:
                  attention_bytes: int = 0) -> None:
         self.request = request
         self.rows = rows
-        self.attention_bytes = attention_bytes  # estimated (serve/attention_budget.py)
+        self.attention_bytes = attention_bytes  # estimated (serve/core/attention_budget.py)
         self.length = max(r.length for r in rows)
         self.enqueued = time.monotonic()
         self.deadline = deadline  # time.monotonic() value, or None
@@ -149,12 +150,35 @@ class Batcher:
             if self._closed:
                 raise Unavailable("server is shutting down; retry on another replica")
             if len(self._queue) >= self.max_queue_size:
+                self._drop_ended()
+            if len(self._queue) >= self.max_queue_size:
                 raise Overloaded(f"queue full: {len(self._queue)} requests waiting (max_queue_size={self.max_queue_size})")
             self._queue.append(ticket)
             self._queued_rows += len(rows)
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
         return ticket
+
+    def _drop_ended(self) -> None:
+        """Finishes and removes the queued tickets whose call ended (cancelled) or expired, so they
+        hold no place in a full queue until the next batch forms. Under the condition's lock."""
+        now, kept = time.monotonic(), collections.deque()
+        for ticket in self._queue:
+            if not self._dropped(ticket, now):
+                kept.append(ticket)
+        self._queue = kept
+
+    def _dropped(self, ticket: Ticket, now: float) -> bool:
+        """Finishes `ticket` when it expired (DEADLINE_EXCEEDED) or its call ended (CANCELLED) while
+        queued, and takes its rows off the count; False when it is still wanted. The caller removes it."""
+        if ticket.deadline is not None and now >= ticket.deadline:
+            ticket._finish(error=DeadlineExceeded("deadline expired while queued; request dropped"))
+        elif ticket.cancelled:
+            ticket._finish(error=Cancelled("request cancelled by the client"))
+        else:
+            return False
+        self._queued_rows -= len(ticket.rows)
+        return True
 
     def queue_depth(self) -> int:
         return len(self._queue)
@@ -219,14 +243,8 @@ class Batcher:
             now = time.monotonic()
             while self._queue:
                 ticket = self._queue[0]
-                expired = ticket.deadline is not None and now >= ticket.deadline
-                if ticket.cancelled or expired:
+                if self._dropped(ticket, now):
                     self._queue.popleft()
-                    self._queued_rows -= len(ticket.rows)
-                    if expired:
-                        ticket._finish(error=DeadlineExceeded("deadline expired while queued; request dropped"))
-                    else:
-                        ticket._finish(error=Cancelled("request cancelled by the client"))
                     continue
                 n, longest = len(ticket.rows), max(length, ticket.length)
                 if batch and (rows + n > self.max_batch_size or (rows + n) * longest > self.max_batch_tokens
@@ -245,6 +263,7 @@ class Batcher:
             return batch
 
     def _run(self, worker: int = 0) -> None:
+        logs.name_thread(f"batcher-{worker}")
         while True:
             batch = self._take(worker)
             if batch is None:
@@ -276,7 +295,7 @@ class Batcher:
                     ticket._finish(error=_wrap(alone))
 
     def _run_batch(self, batch: list[Ticket], worker: int = 0) -> None:
-        """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/batch_plan.py)
+        """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/core/batch_plan.py)
         when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
         has run, so short requests in a mixed batch come back first."""
         slots = [(ticket, i) for ticket in batch for i in range(len(ticket.rows))]
@@ -294,18 +313,18 @@ class Batcher:
             rows = [ticket.rows[i] for ticket, i in members]
             length = max(row.length for row in rows)
             feeds = pad_batch(rows, length, self.config, path)
-            started = time.monotonic()
+            started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
                 hidden, pooled = self.backend.encode(feeds, path)
             elif self._alone.get(worker) and getattr(self.backend, "has_wide", False):
                 hidden, pooled = self.backend.encode(feeds, wide=True)
             else:
                 hidden, pooled = self.backend.encode(feeds)
-            inference_s = time.monotonic() - started
+            inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
             finite = bool(np.isfinite(hidden).all() and np.isfinite(pooled).all())  # else: row by row
             tokens = sum(row.length for row in rows)
             self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
-                          padding_tokens=len(rows) * length - tokens, path=path)
+                          padding_tokens=len(rows) * length - tokens, path=path, run_cpu_s=run_cpu_s)
             for index, (ticket, i) in enumerate(members):
                 row = rows[index]
                 progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],

@@ -1,11 +1,11 @@
 """Building a served engine for an export directory, and retiring one: the whole load path.
 
 `build_engine` is shared by start-up (`EncoderServer.load`) and hot reload (`EncoderServer.reload`):
-read metadata.json and check the graph's sha256 (serve/export_dir.py), create and check the session,
+read metadata.json and check the graph's sha256 (serve/backend/export_dir.py), create and check the session,
 warm up, then `probe`: one real inference whose outputs must have the config's shapes and be finite.
 Only an engine that passed all of that is ever served. With length_split on, a few timed dummy runs
 then measure the backend's cost per session.run for the batcher's length-sorted runs
-(serve/batch_plan.py). `retire` lets a swapped-out engine answer what it holds, then stops it.
+(serve/core/batch_plan.py). `retire` lets a swapped-out engine answer what it holds, then stops it.
 """
 
 from __future__ import annotations
@@ -13,45 +13,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from model.config import EncoderConfig
-from serve import batch_plan, logs
-from serve.attention_budget import AttentionBudget, default_budget
-from serve.backend import CUDA, Backend, OnnxRuntimeBackend, dummy_batch
-from serve.batch_plan import RunCost
-from serve.batcher import Batcher
+from serve import logs
+from serve.core import batch_plan
+from serve.core.attention_budget import AttentionBudget, default_budget
+from serve.backend.session import CUDA, Backend, OnnxRuntimeBackend, dummy_batch
+from serve.core.batch_plan import RunCost
+from serve.core.batcher import Batcher
 from serve.config import ServerConfig
-from serve.engine import Engine
+from serve.core.engine import Engine
 from serve.errors import BackendError
-from serve.export_dir import ExportDir, load_export
+from serve.backend.export_dir import ExportDir, load_export
 
-log = logging.getLogger("serve.loading")
+log = logging.getLogger("serve.assembly.loading")
 
 BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
 RETIRE_SETTLE_S = 0.5  # after the old batcher drains, how long it still accepts stragglers
-
-
-@dataclass(frozen=True)
-class Reloaded:
-    """What a hot swap (`EncoderServer.reload`) reports: the model before and the model now serving."""
-
-    previous_sha256: str
-    sha256: str
-    model_name: str
-    model_version: str
-    load_seconds: float
 
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
     backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
                                  intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
                                  instances=config.instances)
-    if config.fault_inject:  # tests only (serve/faults.py); logs event=fault_injection_enabled
-        from serve.faults import FaultInjectingBackend
+    if config.fault_inject:  # tests only (serve/backend/faults.py); logs event=fault_injection_enabled
+        from serve.backend.faults import FaultInjectingBackend
 
         return FaultInjectingBackend(backend, config.fault_inject)
     return backend
@@ -73,7 +62,7 @@ def probe(backend: Backend, export: ExportDir) -> None:
 
 
 def run_cost_for(backend: Backend, config: EncoderConfig, server: ServerConfig) -> RunCost | None:
-    """The backend's cost per session.run for length-sorted runs (serve/batch_plan.py): pinned by
+    """The backend's cost per session.run for length-sorted runs (serve/core/batch_plan.py): pinned by
     split_overhead_tokens, or measured with a few dummy runs; logged. None: length_split is off."""
     if not server.length_split:
         return None

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from model.config import to_json
 from model.mask_kinds import MaskKind
-from serve.attention_budget import AttentionBudget, default_budget
-from serve.backend import Backend
-from serve.batcher import Batcher, Ticket
+from serve.core.attention_budget import AttentionBudget, default_budget
+from serve.backend.session import Backend
+from serve.core.batcher import Batcher, Ticket
 from serve.config import ServerConfig
-from serve.core import EncodeRequest, EncodeResult, Limits, SequenceOutput, to_rows
+from serve.core.requests import EncodeRequest, EncodeResult, Limits, SequenceOutput, to_rows
 from serve.errors import DeadlineExceeded, ValidationError
-from serve.export_dir import ExportDir
-from serve.text import TextTokenizer
+from serve.backend.export_dir import ExportDir
+from serve.core.text import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,17 @@ class ModelDescription:
     has_tokenizer: bool
     default_pooling: str
     default_normalize: bool
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """What a hot swap (`EncoderServer.reload`) reports: the model before and the model now serving."""
+
+    previous_sha256: str
+    sha256: str
+    model_name: str
+    model_version: str
+    load_seconds: float
 
 
 class Engine:

@@ -1,6 +1,6 @@
 """The gRPC servicer: protobuf <-> our request types, errors -> status. Nothing more.
 
-Deadlines, metrics and status codes are the shared edge's (serve/edge.py): every ServeError is mapped
+Deadlines, metrics and status codes are the shared edge's (serve/protocols/edge.py): every ServeError is mapped
 to its status by serve.errors.to_status (the one place); anything else becomes INTERNAL with its type,
 never UNKNOWN.
 """
@@ -13,13 +13,13 @@ import time
 from typing import Callable, Iterator
 
 from model.mask_kinds import MaskKind
-from serve.core import EncodeRequest, EncodeResult, MaskChoice
-from serve.edge import Call, deadline_of
-from serve.engine import Engine
+from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
+from serve.protocols.edge import Call, deadline_of
+from serve.core.engine import Engine
 from serve.errors import Unavailable, ValidationError, to_status
-from serve.metrics import Metrics
-from serve.pb import pb, pb_grpc
-from serve.tensors import from_numpy, to_numpy
+from serve.core.metrics import Metrics
+from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.tensors import from_numpy, to_numpy
 
 _POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first"}
 

@@ -1,0 +1,1 @@
+"""Assembly: the server (app) and the load path (loading)."""

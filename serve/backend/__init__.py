@@ -1,0 +1,1 @@
+"""The backend: ONNX Runtime sessions, the export's graphs, failure injection."""

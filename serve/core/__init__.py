@@ -1,0 +1,1 @@
+"""The core: request types and checks, admission, batching, the engine."""

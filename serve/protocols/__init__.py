@@ -1,0 +1,1 @@
+"""Protocol adapters: bytes/messages <-> the core's request and response types."""
