@@ -11,6 +11,8 @@
 //                      when the client or its deadline ended a call Python had not finished.
 //   write(id, bytes)              a response message of a streaming call (sent in order)
 //   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer)
+//   finish_many([(id, code, text, bytes), ...])  the same for a batch's answers, the GIL released once
+//   wake()                        makes a waiting next() return (Python has answers to hand back)
 //
 // A unary call is one START event with its request (None if the client sent none). A cancelled call is
 // finished here with CANCELLED at once (gRPC needs Finish for every call); Python's later finish is ignored.
@@ -188,7 +190,9 @@ class Transport {
     {
       py::gil_scoped_release unlocked;
       std::unique_lock<std::mutex> lock(mu_);
-      ready_.wait_for(lock, std::chrono::duration<double>(timeout), [&] { return !events_.empty() || stopped_; });
+      ready_.wait_for(lock, std::chrono::duration<double>(timeout),
+                      [&] { return !events_.empty() || stopped_ || woken_; });
+      woken_ = false;
       taken.swap(events_);
     }
     py::list out;
@@ -211,6 +215,39 @@ class Transport {
       }
     }
     return out;
+  }
+
+  // Makes a waiting next() return now (Python has answers to send: finish_many).
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      woken_ = true;
+    }
+    ready_.notify_one();
+  }
+
+  // finish() for each (id, code, text, bytes | None), with the GIL released once.
+  void finish_many(const py::list& answers) {
+    struct Answer {
+      int64_t id;
+      int code;
+      std::string message;
+      std::optional<std::string> payload;
+    };
+    std::vector<Answer> all;
+    all.reserve(answers.size());
+    for (const auto& item : answers) {
+      auto t = item.cast<py::tuple>();
+      Answer a{t[0].cast<int64_t>(), t[1].cast<int>(), t[2].cast<std::string>(), std::nullopt};
+      if (!t[3].is_none()) a.payload = t[3].cast<std::string>();
+      all.push_back(std::move(a));
+    }
+    py::gil_scoped_release unlocked;
+    for (auto& a : all) {
+      if (auto r = find(a.id)) {
+        r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
+      }
+    }
   }
 
   void write(int64_t id, py::bytes payload) {
@@ -293,6 +330,7 @@ class Transport {
   std::unordered_map<int64_t, std::shared_ptr<Reactor>> calls_;
   int64_t next_id_ = 0;
   bool stopped_ = false;
+  bool woken_ = false;
 };
 
 grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* ctx) {
@@ -384,6 +422,8 @@ PYBIND11_MODULE(_transport, m) {
       .def("next", &Transport::next, py::arg("timeout"))
       .def("write", &Transport::write, py::arg("id"), py::arg("payload"))
       .def("finish", &Transport::finish, py::arg("id"), py::arg("code"), py::arg("message"), py::arg("payload"))
+      .def("wake", &Transport::wake)
+      .def("finish_many", &Transport::finish_many, py::arg("answers"))
       .def("open_calls", &Transport::open_calls)
       .def("stop", &Transport::stop, py::arg("grace"));
 }

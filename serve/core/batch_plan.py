@@ -59,14 +59,18 @@ def plan_runs(lengths: Sequence[int], cost: RunCost) -> list[list[int]]:
     n = len(order)
     if n <= 1 or math.isinf(cost.overhead_tokens):
         return [order] if order else []
-    best = [0.0] + [math.inf] * n  # best[j]: least cost of running the j shortest rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
+    # A run only ends after the last row of a length: rows of one length share a run (splitting them
+    # adds a run's fixed cost and saves no padding), so the search is over distinct lengths only.
+    ends = [j for j in range(1, n + 1) if j == n or lengths[order[j]] != lengths[order[j - 1]]]
+    if len(ends) == 1:
+        return [order]
+    best = {0: 0.0}  # best[j]: least cost of running the j shortest rows
+    cut = {}
+    starts = [0]
+    for j in ends:
         longest = lengths[order[j - 1]]
-        for i in range(j):
-            total = best[i] + cost(j - i, longest)
-            if total < best[j]:
-                best[j], cut[j] = total, i
+        best[j], cut[j] = min((best[i] + cost(j - i, longest), i) for i in starts)
+        starts.append(j)
     runs: list[list[int]] = []
     j = n
     while j:

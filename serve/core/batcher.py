@@ -37,7 +37,8 @@ from serve.core.requests import EncodeRequest, EncodeResult, SequenceOutput
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
 
 log = logging.getLogger("serve.core.batcher")
-_FINISH = threading.Lock()  # a ticket is finished once: by its batch, or by a drain that abandons it
+_FINISH = threading.Lock()
+SCAN_S = 0.005  # a full queue is searched for cancelled and expired tickets at most this often  # a ticket is finished once: by its batch, or by a drain that abandons it
 
 
 class Ticket:
@@ -128,6 +129,7 @@ class Batcher:
         # picks each row's attention path and bounds a batch's attention memory; None: dense, unbounded
         self.budget = budget
         self._queue: collections.deque[Ticket] = collections.deque()
+        self._scanned = float("-inf")  # when a full queue was last searched for ended tickets
         self._queued_rows = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -149,7 +151,7 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise Unavailable("server is shutting down; retry on another replica")
-            if len(self._queue) >= self.max_queue_size:
+            if len(self._queue) >= self.max_queue_size and time.monotonic() - self._scanned >= SCAN_S:
                 self._drop_ended()
             if len(self._queue) >= self.max_queue_size:
                 raise Overloaded(f"queue full: {len(self._queue)} requests waiting (max_queue_size={self.max_queue_size})")
@@ -163,6 +165,7 @@ class Batcher:
         """Finishes and removes the queued tickets whose call ended (cancelled) or expired, so they
         hold no place in a full queue until the next batch forms. Under the condition's lock."""
         now, kept = time.monotonic(), collections.deque()
+        self._scanned = now
         for ticket in self._queue:
             if not self._dropped(ticket, now):
                 kept.append(ticket)

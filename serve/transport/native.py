@@ -47,17 +47,18 @@ def missing_reason() -> str | None:
 
 
 class NativeRpc(Rpc):
-    __slots__ = ("_transport", "_id")
+    __slots__ = ("_owner", "_id")
 
-    def __init__(self, transport, call_id: int, method: str, metadata, remaining) -> None:
+    def __init__(self, owner: "NativeTransport", call_id: int, method: str, metadata, remaining) -> None:
         super().__init__(method, metadata, remaining)
-        self._transport, self._id = transport, call_id
+        self._owner, self._id = owner, call_id
 
     def _send(self, payload: bytes) -> None:
-        self._transport.write(self._id, payload)
+        self._owner.flush()  # what was answered before goes first
+        self._owner._t.write(self._id, payload)
 
     def _close(self, code: grpc.StatusCode, message: str, payload: bytes | None) -> None:
-        self._transport.finish(self._id, code.value[0], message, payload)
+        self._owner.answer((self._id, code.value[0], message, payload))
 
 
 class NativeTransport:
@@ -72,23 +73,44 @@ class NativeTransport:
         self.port = self._t.start(address, max_receive_bytes, pem, streaming)
         self._router = router
         self._calls: dict[int, NativeRpc] = {}  # open calls the router may still hear of (streams, cancels)
+        # answers wait here for the pump, which hands them to C++ together (finish_many): a batch's
+        # answers cost one wake-up and one GIL release, not one each
+        self._answers: list[tuple] = []
+        self._answers_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._pump, name="transport-pump", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def answer(self, answer: tuple) -> None:
+        """Queues (id, code, text, bytes | None) for the pump; wakes it for the first one queued."""
+        with self._answers_lock:
+            self._answers.append(answer)
+            first = len(self._answers) == 1
+        if first:
+            self._t.wake()
+
+    def flush(self) -> None:
+        """Hands every queued answer to C++ (the pump does this after each wake-up)."""
+        with self._answers_lock:
+            answers, self._answers = self._answers, []
+        if answers:
+            self._t.finish_many(answers)
+
     def _pump(self) -> None:
         logs.name_thread("transport-pump")
         m, t, router, calls = self._m, self._t, self._router, self._calls
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
         while not self._stopping:
-            for event in t.next(POLL_S):
+            events = t.next(POLL_S)
+            self.flush()
+            for event in events:
                 kind, call_id = event[0], event[1]
                 try:
                     if kind == START:
                         _, _, method, payload, metadata, remaining = event
-                        rpc = NativeRpc(t, call_id, method, metadata, remaining)
+                        rpc = NativeRpc(self, call_id, method, metadata, remaining)
                         calls[call_id] = rpc
                         rpc.add_callback(lambda call_id=call_id: calls.pop(call_id, None))
                         router.start(rpc, payload)
@@ -104,9 +126,11 @@ class NativeTransport:
                         router.cancel(rpc)
                 except Exception as error:  # the pump must survive anything a call does
                     logs.event(log, "pump_error", logging.ERROR, error=repr(error))
+            self.flush()  # the answers given while routing (refusals, errors) go now
 
     def stop(self, grace: float) -> None:
         """Stops listening; what is still open after `grace` s is cancelled by gRPC."""
+        self.flush()
         self._t.stop(grace)
         self._stopping = True
         self._thread.join(timeout=5)
