@@ -80,6 +80,8 @@ CASES = [
     ("overflowing shape", "features", req(T(pb.DATA_TYPE_FLOAT32, [2 ** 62, 2 ** 62], b"\0" * 8)), INVALID,
      "needs"),
     ("2-d ids", "tokens", req(ids([[1, 2], [3, 4]])), INVALID, "of shape [T]"),
+    ("features [T, d] to a token model", "tokens", req(features(np.ones((3, FEATURES_D)))), INVALID,
+     "sequences[0]: token ids must be INT64 or INT32 of shape [T], got float32 [3, "),
     ("negative id", "tokens", req(ids([1, -1])), INVALID, "token id -1 out of range [0, 100)"),
     ("id == vocab_size", "tokens", req(ids([VOCAB])), INVALID, "token id 100 out of range"),
     ("huge id", "tokens", req(ids([2 ** 62])), INVALID, f"token id {2 ** 62} out of range"),

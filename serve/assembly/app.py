@@ -19,9 +19,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -33,6 +31,7 @@ from serve.config import ServerConfig
 from serve.core.engine import Engine
 from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
 from serve.assembly.loading import BackendFactory, build_engine, default_backend, retire
+from serve.core.admission import Admission
 from serve.core.engine import Reloaded
 from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
@@ -44,8 +43,6 @@ from serve.transport.rpc import Registry, Router
 log = logging.getLogger("serve.assembly.app")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
-NOT_SERVING = "; not serving (health NOT_SERVING), retry later or on another replica"
-DRAINING = "server is shutting down" + NOT_SERVING  # what a call arriving during a drain is told
 ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abandoned calls to go out
 
 
@@ -58,15 +55,10 @@ class EncoderServer:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self._backend_factory = backend_factory or default_backend
-        self._engine: Engine | None = None
-        self._state = "starting"  # starting -> loading -> serving -> draining -> stopped
-        self._lock = threading.Lock()
-        # calls in flight (admitted, not yet ended) and the last arrival: what a drain waits on
-        self._calls = threading.Condition(self._lock)
-        self._in_flight = 0
-        self._last_arrival = float("-inf")
-        self._refused_draining = 0
-        self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
+        # the state, the served engine and the calls in flight (serve/core/admission.py)
+        self.admission = Admission()
+        self.admit = self.admission.admit
+        self.engine = self.admission.engine
         self._reload_lock = threading.Lock()  # one reload at a time
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
@@ -106,70 +98,6 @@ class EncoderServer:
         return GrpcioTransport(address, self.router, registry, hard_limit, security.server_credentials(tls),
                                config.workers)
 
-    # -- state -------------------------------------------------------------------------------
-    def engine(self) -> Engine:
-        engine, state = self._engine, self._state
-        if state != "serving" or engine is None:
-            reason = {"draining": "server is shutting down", "stopped": "server stopped"}.get(
-                state, "model is loading")
-            raise Unavailable(f"{reason}{NOT_SERVING}")
-        return engine
-
-    def _serving_engine(self) -> Engine | None:
-        """The engine while serving or draining (what admitted calls still run on); None otherwise."""
-        return self._engine if self._state in ("serving", "draining") else None
-
-    def admit(self, context: grpc.ServicerContext | None = None,
-              on_drain: Callable[[], None] | None = None) -> Engine:
-        """The engine for a call, which counts as in flight until gRPC reports it ended (`context`'s
-        callback), so a drain waits for it. Unavailable (retry-safe) while loading or draining.
-        `on_drain` (streams) is called once when a drain starts; without `context`, nothing is counted."""
-        with self._calls:
-            self._last_arrival = time.monotonic()
-            try:
-                engine = self.engine()
-            except Unavailable:
-                if context is not None and self._state == "draining":
-                    self._refused_draining += 1
-                raise
-            if context is None:
-                return engine
-            self._in_flight += 1
-            if on_drain is not None:
-                self._drain_hooks.add(on_drain)
-
-        def ended() -> None:
-            with self._calls:
-                self._in_flight -= 1
-                self._drain_hooks.discard(on_drain)
-                self._calls.notify_all()
-
-        if not context.add_callback(ended):  # the call already ended
-            ended()
-        return engine
-
-    def _wait_calls(self, until: float) -> bool:
-        """Waits until no admitted call is in flight; False when `until` (monotonic) came first."""
-        with self._calls:
-            while self._in_flight:
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._calls.wait(remaining)
-        return True
-
-    def _wait_quiet(self, until: float) -> None:
-        """Waits until no call has arrived for drain_quiet_ms (late callers meanwhile get UNAVAILABLE
-        from our handlers, not CANCELLED from a stopping gRPC), or until `until`."""
-        quiet = self.config.drain_quiet_ms / 1e3
-        with self._calls:
-            while True:
-                now = time.monotonic()
-                wake = min(self._last_arrival + quiet, until)
-                if now >= wake:
-                    return
-                self._calls.wait(wake - now)
-
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
@@ -192,18 +120,15 @@ class EncoderServer:
     def load(self) -> None:
         """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
         c = self.config
-        self._state = "loading"
+        self.admission.loading()
         started = time.monotonic()
         # load + sha256 + session checks + warm-up + a probe inference (serve/assembly/loading.py)
         engine, warm_s = build_engine(c.export_dir, c.graph, c, self._backend_factory,
                                       self.metrics.observe_batcher)
         export, backend = engine.export, engine.backend
-        with self._lock:
-            if self._state != "loading":  # a shutdown arrived while loading
-                engine.batcher.stop(0)
-                return
-            self._engine = engine
-            self._state = "serving"
+        if not self.admission.serving(engine):  # a shutdown arrived while loading
+            engine.batcher.stop(0)
+            return
         self._set_health(True)
         self.metrics.ready.set(1)
         logs.event(log, "serving", model=export.name, sha256=export.sha256[:12], graph=export.graph,
@@ -238,7 +163,7 @@ class EncoderServer:
                 logs.event(log, "reload_refused", logging.ERROR, export_dir=export_dir, error=repr(error))
                 raise ModelRefused(f"reload refused, still serving sha256={old.export.sha256}: "
                                    f"{type(error).__name__}: {error}") from None
-            if not self._swap_engine(old, new):
+            if not self._swap_engine(old, new):  # (an attribute: a test times requests around it)
                 new.batcher.stop(0)
                 raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")
             load_s = time.monotonic() - started
@@ -251,11 +176,7 @@ class EncoderServer:
             self._reload_lock.release()
 
     def _swap_engine(self, old: Engine, new: Engine) -> bool:
-        with self._lock:
-            if self._state != "serving" or self._engine is not old:
-                return False
-            self._engine = new
-            return True
+        return self.admission.swap(old, new)
 
     def shutdown(self, grace: float | None = None) -> bool:
         """Stop admitting, let every admitted call finish, then stop gRPC. True when all finished in time.
@@ -265,45 +186,40 @@ class EncoderServer:
         runs out get UNAVAILABLE (counted: event=drain_timeout abandoned=N); `server.stop()` comes
         last, after drain_quiet_ms without a new call."""
         grace = self.config.grace_s if grace is None else grace
-        with self._lock:
-            if self._state in ("draining", "stopped"):
-                return True
-            self._state = "draining"
-            in_flight = self._in_flight
+        hooks = self.admission.drain()
+        if hooks is None:
+            return True
+        in_flight = self.admission.in_flight()
         self._set_health(False)
         self.metrics.ready.set(0)
-        engine = self._engine
+        engine = self.admission.current()
         logs.event(log, "draining", queued=engine.batcher.queue_depth() if engine else 0, in_flight=in_flight,
                    grace_s=grace)
         started = time.monotonic()
         end = started + grace
         if engine is not None:
             engine.batcher.close()  # what is queued still runs
-        with self._calls:
-            hooks = list(self._drain_hooks)
         for hook in hooks:  # open streams end (UNAVAILABLE) once they have answered what they sent
             hook()
-        drained = self._wait_calls(end)
+        drained = self.admission.wait_calls(end)
         abandoned = 0
         if not drained:
             late = (f"server is shutting down and its grace period ({grace:g} s) ran out before this request "
                     f"finished; it was not answered, retry it on another replica")
-            with self._calls:
-                abandoned = self._in_flight
+            abandoned = self.admission.in_flight()
             logs.event(log, "drain_timeout", logging.WARNING, abandoned=abandoned, grace_s=grace)
             if engine is not None:
                 engine.batcher.abandon(Unavailable(late))
-            self._wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
-        self._wait_quiet(end)
+            self.admission.wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
+        self.admission.wait_quiet(self.config.drain_quiet_ms / 1e3, end)
         # Nothing we admitted is left running; stop() only closes the listener and the connections.
         self.transport.stop(ABANDON_S)
         self.router.stop()
         if engine is not None:
             engine.batcher.stop(0)
         self.metrics.close()
-        with self._calls:
-            refused = self._refused_draining
-        self._state = "stopped"
+        refused = self.admission.refused_draining
+        self.admission.stopped()
         logs.event(log, "stopped", drained=drained, abandoned=abandoned, refused_while_draining=refused,
                    drain_s=f"{time.monotonic() - started:.3f}")
         return drained

@@ -29,8 +29,10 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
     if size > max_bytes:
         raise ValidationError(f"request: {size} bytes exceed max_request_bytes={max_bytes}")
     config = engine.export.config
-    layout, rank = ("[T]", 1) if config.input_kind == "tokens" else (f"[T, {config.d_model}]", 2)
-    sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, rank) for i, t in enumerate(msg.sequences))
+    layout = "[T]" if config.input_kind == "tokens" else f"[T, {config.d_model}]"
+    # at most 2-d here, whatever the model: which dtype and shape it takes is the core's rule
+    # (serve/core/requests.py), so features sent to a token model are told it takes INT64/INT32 ids
+    sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, 2) for i, t in enumerate(msg.sequences))
     try:
         kind = MaskKind(msg.mask.kind)
     except ValueError:
