@@ -78,14 +78,34 @@ def block_size(window: int, length: int) -> int:
     return max(1, min(max(window, MIN_BLOCK), length))
 
 
+def path_kinds(path: str, config: EncoderConfig) -> frozenset:
+    """The mask kinds `path` computes for this config: with an attention plan (local layers) the sparse
+    path computes bidirectional and causal rows too (local layers banded, global layers dense)."""
+    kinds = PATH_KINDS[path]
+    if path == SPARSE and config.local_layers:
+        kinds = kinds | {MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL}
+    return kinds
+
+
 def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig) -> float:
-    """Attention score elements one row computes per head and layer on `path` (its work and memory)."""
+    """Attention score elements one row computes per head and layer on `path` (its work and memory;
+    with an attention plan, the mean over the layers: a local layer on the sparse path costs its band
+    T·3K, K = max(local_window, MIN_BLOCK), whatever the row's kind)."""
     t = max(length, 1)
     if path == DENSE:
         return float(t * t)
     if path == LINEAR:
         features = config.performer_features if config.attention == "performer" else config.head_dim
         return float(t * (CHUNK + 2 * features))
+    if config.local_layers:
+        k = block_size(config.local_window, t)
+        local = math.ceil(t / k) * k * 3 * k
+        if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # global layers: dense (step 1)
+            mask = RowMask(MaskKind.DILATED, 0, 1)
+        plain = config.replace(local_layers=())
+        global_cost = score_elements(path, length, mask, plain)
+        n_local = len(config.local_layers)
+        return float((n_local * local + (config.n_layers - n_local) * global_cost) / config.n_layers)
     window = mask.window if mask.kind.uses_window else -1
     k = block_size(window, t)
     band = math.ceil(t / k) * k * 3 * k
@@ -100,7 +120,7 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig)
 
 def computes(path: str, kind: MaskKind, config: EncoderConfig) -> bool:
     """Whether `path` computes rows of `kind` exactly for this config's attention."""
-    return path == DENSE or (path == long_path(config) and kind in PATH_KINDS[path])
+    return path == DENSE or (path == long_path(config) and kind in path_kinds(path, config))
 
 
 def cheapest(length: int, mask: RowMask, config: EncoderConfig, available: tuple[str, ...]) -> str:
