@@ -112,6 +112,20 @@ ST_POOLING_MODES: Mapping[str, str] = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
 }
+# sentence-transformers >= 6 writes {"pooling_mode": "mean"} instead of the flags above.
+ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls"}
+# ... and names its modules by their new homes (sentence_transformers.base.modules.transformer.Transformer);
+# a module is known by its class name under the sentence_transformers package.
+_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)}
+
+
+def _module_kind(kind: str | None) -> str | None:
+    """modules.json's type, old (sentence_transformers.models.Pooling) or new layout, as the old name."""
+    if isinstance(kind, str) and kind.startswith("sentence_transformers.") and kind.rsplit(".", 1)[-1] in _ST_CLASSES:
+        return _ST_CLASSES[kind.rsplit(".", 1)[-1]]
+    return kind
+
+
 ST_UNSUPPORTED_POOLING_FLAGS = (
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
@@ -441,18 +455,24 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
         return pooling_settings("mean", normalize=False), length
 
     modules = json.loads(modules_file.read_text())
-    kinds = [m.get("type") for m in modules]
+    kinds = [_module_kind(m.get("type")) for m in modules]
     unknown = [k for k in kinds if k not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)]
     if unknown:
         raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
     if kinds.count(ST_TRANSFORMER) != 1 or kinds.count(ST_POOLING) != 1:
         raise CheckpointError(f"{modules_file} needs exactly one Transformer and one Pooling module, has {kinds}")
-    by_type = {m["type"]: m for m in modules}
+    by_type = {kind: m for kind, m in zip(kinds, modules)}
 
     pooling_file = directory / by_type[ST_POOLING].get("path", "") / "config.json"
     settings = json.loads(pooling_file.read_text())
     modes = [mode for flag, mode in ST_POOLING_MODES.items() if settings.get(flag)]
     refused = [flag for flag in ST_UNSUPPORTED_POOLING_FLAGS if settings.get(flag)]
+    if "pooling_mode" in settings:  # sentence-transformers >= 6 writes the mode by name
+        named = settings["pooling_mode"]
+        if named in ST_POOLING_MODE_NAMES:
+            modes.append(ST_POOLING_MODE_NAMES[named])
+        else:
+            refused.append(f"pooling_mode={named!r}")
     if refused or len(modes) != 1:
         raise CheckpointError(
             f"{pooling_file}: need exactly one of {', '.join(ST_POOLING_MODES)}; "
@@ -466,6 +486,11 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
         declared = json.loads(bert_cfg.read_text()).get("max_seq_length")
         if declared is not None:
             length = int(declared)
+        else:  # sentence-transformers >= 6: the tokenizer's model_max_length
+            tok_cfg = directory / "tokenizer_config.json"
+            declared = json.loads(tok_cfg.read_text()).get("model_max_length") if tok_cfg.is_file() else None
+            if isinstance(declared, int) and 0 < declared < length:
+                length = declared
     if not 0 < length <= max_positions:
         raise CheckpointError(f"max_seq_length {length} is outside 1..{max_positions} (the model's longest sequence)")
     return pooling, length

@@ -22,9 +22,10 @@ import torch
 
 from export.cli import main as export_main
 from model.checkpoint import CheckpointError, fit_encoder
-from model.hf_bert import encoder_config_from_hf, load_pretrained
+from model.hf_bert import encoder_config_from_hf, load_pretrained, tokenize
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
+from model.pooling import l2_normalize
 
 HIDDEN_ATOL = 1e-4  # the project's tolerance: hidden states at valid positions, max abs
 
@@ -192,6 +193,82 @@ def test_modernbert_export_answers_as_transformers_on_the_dense_and_sparse_graph
         wanted = {i.name for i in session.get_inputs()}
         hidden = session.run(["last_hidden_state"], {k: v for k, v in feeds.items() if k in wanted})[0]
         assert_hidden_close(hidden, expected, mask)
+
+
+# ------------------------------------------------------------------ a ModernBERT embedding model
+
+WORDS = "the a of and to in is that it for on with as was by this be are long document encoder".split()
+TEXTS = [
+    "the encoder",
+    "A long document, with punctuation; and UNKNOWN words!",
+    " ".join(WORDS[i % len(WORDS)] for i in range(300)),  # past the window (64) and 2 of them
+    "",
+    " ".join(WORDS[(3 * i) % len(WORDS)] for i in range(70)),
+]
+ST_MAX_LENGTH = 256  # the long text is truncated to it
+
+
+def word_tokenizer():
+    """A word-level tokenizer.json with [CLS] ... [SEP] around each text (ModernBERT's template)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    return tokenizer, len(vocab)
+
+
+@pytest.fixture(scope="module")
+def modernbert_embedding(tmp_path_factory):
+    """(directory as sentence-transformers saves it, the SentenceTransformer): ModernBERT + mean
+    pooling + Normalize, as gte-modernbert-base / modernbert-embed-base are built."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+    from transformers import ModernBertConfig, ModernBertModel, PreTrainedTokenizerFast
+
+    tokenizer, vocab_size = word_tokenizer()
+    base = tmp_path_factory.mktemp("modernbert-base")
+    config = ModernBertConfig(**{**MODERNBERT, "vocab_size": vocab_size, "bos_token_id": 1, "cls_token_id": 1})
+    config._attn_implementation = "eager"
+    torch.manual_seed(2)
+    redraw(ModernBertModel(config), seed=2).save_pretrained(str(base))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                            unk_token="[UNK]", mask_token="[MASK]").save_pretrained(str(base))
+    transformer = st_models.Transformer(str(base), max_seq_length=ST_MAX_LENGTH,
+                                        model_kwargs={"attn_implementation": "eager"})
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(MODERNBERT["hidden_size"], "mean"),
+                                         st_models.Normalize()], device="cpu")
+    directory = tmp_path_factory.mktemp("modernbert-embed")
+    model.save(str(directory))
+    return directory, model
+
+
+def test_modernbert_embedding_model_reads_pooling_normalize_and_length(modernbert_embedding):
+    loaded = load_pretrained(modernbert_embedding[0])
+    assert loaded.pooling == {"mode": "mean", "normalize": True} and loaded.max_length == ST_MAX_LENGTH
+    assert loaded.tokenizer_file is not None and loaded.config.local_layers == (1, 2)
+
+
+def test_modernbert_sentence_embeddings_match_sentence_transformers(modernbert_embedding):
+    directory, model = modernbert_embedding
+    loaded = load_pretrained(directory)
+    tokens = {k: torch.from_numpy(v) for k, v in tokenize(loaded.tokenizer(), TEXTS).items()}
+    expected_tokens = model.tokenize(TEXTS)
+    np.testing.assert_array_equal(tokens["input_ids"].numpy(), expected_tokens["input_ids"].numpy())
+    assert tokens["input_ids"].shape[1] == ST_MAX_LENGTH
+    feeds = default_mask_inputs(tokens["attention_mask"])
+    with torch.no_grad():
+        _, pooled = loaded.encoder(tokens["input_ids"], tokens["attention_mask"], feeds["mask_kind"],
+                                   feeds["mask_causal"], feeds["mask_window"], feeds["mask_step"], feeds["custom_mask"])
+    actual = l2_normalize(pooled).numpy()
+    expected = model.encode(TEXTS, batch_size=len(TEXTS), normalize_embeddings=True, convert_to_numpy=True)
+    assert actual.shape == expected.shape == (len(TEXTS), MODERNBERT["hidden_size"])
+    cosine = (actual * expected).sum(-1) / (np.linalg.norm(actual, axis=-1) * np.linalg.norm(expected, axis=-1))
+    assert cosine.min() >= 0.99999, cosine
 
 
 # ------------------------------------------------------------------ RoBERTa / XLM-RoBERTa
