@@ -11,7 +11,6 @@ they show (a wrong θ or window moves the hidden states by > 1e-2, see the last 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -26,33 +25,15 @@ from model.hf_bert import encoder_config_from_hf, load_pretrained, tokenize
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
 from model.pooling import l2_normalize
+from tests.hf_references import MODERNBERT, WORDS, modernbert_embedding_model, redraw
 
 HIDDEN_ATOL = 1e-4  # the project's tolerance: hidden states at valid positions, max abs
 
-# ModernBERT's own layout (global every third layer, window 128 = |i - j| <= 64, θ 160k / 10k) at a
-# small width; 4 layers: global, local, local, global.
-MODERNBERT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
-                  local_attention=128, max_position_embeddings=8192)
 ROBERTA = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=140, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
                layer_norm_eps=1e-5)
 # Around ModernBERT's window (64) and its 2 windows, one token, and a padded batch.
 LENGTHS = [[1], [63], [64], [65], [129], [129, 65, 1, 64]]
-
-
-def redraw(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights at a scale where attention is far from uniform: N(0, 1/fan_in) matrices, norms near 1."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
-            elif "norm" in name.lower() and name.endswith("weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
-    return model.eval()
 
 
 def saved(reference, directory: Path):
@@ -197,7 +178,6 @@ def test_modernbert_export_answers_as_transformers_on_the_dense_and_sparse_graph
 
 # ------------------------------------------------------------------ a ModernBERT embedding model
 
-WORDS = "the a of and to in is that it for on with as was by this be are long document encoder".split()
 TEXTS = [
     "the encoder",
     "A long document, with punctuation; and UNKNOWN words!",
@@ -208,43 +188,11 @@ TEXTS = [
 ST_MAX_LENGTH = 256  # the long text is truncated to it
 
 
-def word_tokenizer():
-    """A word-level tokenizer.json with [CLS] ... [SEP] around each text (ModernBERT's template)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-
-    specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
-    vocab = {token: i for i, token in enumerate(specials + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
-    return tokenizer, len(vocab)
-
-
 @pytest.fixture(scope="module")
 def modernbert_embedding(tmp_path_factory):
-    """(directory as sentence-transformers saves it, the SentenceTransformer): ModernBERT + mean
-    pooling + Normalize, as gte-modernbert-base / modernbert-embed-base are built."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
-    from transformers import ModernBertConfig, ModernBertModel, PreTrainedTokenizerFast
-
-    tokenizer, vocab_size = word_tokenizer()
-    base = tmp_path_factory.mktemp("modernbert-base")
-    config = ModernBertConfig(**{**MODERNBERT, "vocab_size": vocab_size, "bos_token_id": 1, "cls_token_id": 1})
-    config._attn_implementation = "eager"
-    torch.manual_seed(2)
-    redraw(ModernBertModel(config), seed=2).save_pretrained(str(base))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-                            unk_token="[UNK]", mask_token="[MASK]").save_pretrained(str(base))
-    transformer = st_models.Transformer(str(base), max_seq_length=ST_MAX_LENGTH,
-                                        model_kwargs={"attn_implementation": "eager"})
-    model = SentenceTransformer(modules=[transformer, st_models.Pooling(MODERNBERT["hidden_size"], "mean"),
-                                         st_models.Normalize()], device="cpu")
+    """(directory as sentence-transformers saves it, the SentenceTransformer)."""
     directory = tmp_path_factory.mktemp("modernbert-embed")
-    model.save(str(directory))
-    return directory, model
+    return directory, modernbert_embedding_model(tmp_path_factory.mktemp("modernbert-base"), directory, ST_MAX_LENGTH)
 
 
 def test_modernbert_embedding_model_reads_pooling_normalize_and_length(modernbert_embedding):
