@@ -71,7 +71,7 @@ def one(directory: Path, engine: str, length: int, threads: int) -> dict:
 
         def run():
             with torch.no_grad():
-                model(input_ids=ids_t, attention_mask=mask_t)
+                return model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state.numpy()
     else:
         import onnxruntime as ort
 
@@ -86,15 +86,25 @@ def one(directory: Path, engine: str, length: int, threads: int) -> dict:
         inputs = {i.name: feeds[i.name] for i in session.get_inputs()}
 
         def run():
-            session.run(["last_hidden_state"], inputs)
+            return session.run(["last_hidden_state"], inputs)[0]
 
     started = time.perf_counter()
     run()
     warm = time.perf_counter() - started
     started = time.perf_counter()
-    run()
-    return {"engine": engine, "length": length, "ms": (time.perf_counter() - started) * 1e3,
+    hidden = run()
+    elapsed = time.perf_counter() - started
+    np.save(directory / f"hidden-{engine}-{length}.npy", hidden)  # for the parity column
+    return {"engine": engine, "length": length, "ms": elapsed * 1e3,
             "warmup_ms": warm * 1e3, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _difference(directory: Path, first: str, engine: str, length: int) -> float | None:
+    """max |hidden(engine) - hidden(first engine)| at this length (every position is real here)."""
+    import numpy as np
+
+    a, b = (directory / f"hidden-{e}-{length}.npy" for e in (first, engine))
+    return float(np.abs(np.load(a) - np.load(b)).max()) if a.is_file() and b.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"engine": engine, "length": length, "error": (proc.stderr or "")[-300:] or f"rc {proc.returncode}"}
             else:
                 result = json.loads(proc.stdout.strip().splitlines()[-1])
+                result["max_abs_vs_first"] = _difference(directory, args.engines.split(",")[0], engine, length)
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
-    print(f"{'engine':10} {'T':>6} {'ms':>10} {'peak RSS MiB':>13} {'vs long':>8}")
+    print(f"{'engine':10} {'T':>6} {'ms':>10} {'peak RSS MiB':>13} {'vs long':>8} {'max |diff| vs first':>20}")
     for r in results:
         if "error" in r:
             print(f"{r['engine']:10} {r['length']:>6} failed: {r['error'][-120:]!r}")
             continue
         base = next((x["ms"] for x in results if x["engine"] == "long" and x["length"] == r["length"] and "ms" in x), None)
         ratio = f"{r['ms'] / base:.2f}x" if base else ""
-        print(f"{r['engine']:10} {r['length']:>6} {r['ms']:>10.0f} {r['peak_rss_mib']:>13.0f} {ratio:>8}")
+        diff = r.get("max_abs_vs_first")
+        print(f"{r['engine']:10} {r['length']:>6} {r['ms']:>10.0f} {r['peak_rss_mib']:>13.0f} {ratio:>8} "
+              f"{'' if diff is None else f'{diff:.2e}':>20}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": args.threads, "directory": str(directory), "results": results}, indent=2))
     return 0

@@ -260,3 +260,28 @@ def test_xlm_roberta_export_answers_as_transformers(tmp_path):
     session = ort.InferenceSession(str(tmp_path / "xlmr" / "model.onnx"), providers=["CPUExecutionProvider"])
     hidden = session.run(["last_hidden_state"], feeds)[0]
     assert_hidden_close(hidden, expected, mask)
+
+
+# ------------------------------------------------------------------ ModernBERT-base shape, long rows
+
+@pytest.fixture(scope="module")
+def modernbert_base_shape(tmp_path_factory):
+    """ModernBERT-base's widths (768, 12 heads, d_ff 1152, window 128, θ 160k / 10k) in 3 layers
+    (global, local, local): the long-length parity stays affordable in the suite."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    config = ModernBertConfig(num_hidden_layers=3, pad_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    return saved(redraw(ModernBertModel(config), seed=5), tmp_path_factory.mktemp("modernbert-base-shape"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [[1000], [4096], [1000, 517]], ids=str)
+def test_modernbert_base_shape_matches_transformers_on_long_rows(modernbert_base_shape, lengths):
+    directory, reference = modernbert_base_shape
+    loaded = load_pretrained(directory)
+    ids, mask = batch(lengths, 50368, 0, seed=7)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert_hidden_close(ours(loaded.encoder, ids, mask), expected, mask)
