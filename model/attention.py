@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import long_attention
+from model.attention_math import kernel_attention, masked_softmax, scaled_dot_product  # noqa: F401 (re-exported)
 from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
@@ -52,29 +53,6 @@ def global_layer_kinds(kind: torch.Tensor, causal: torch.Tensor, step: torch.Ten
     new_causal = (kind == MaskKind.CAUSAL) | (causal.to(torch.bool) & ~full)  # no bool Where on ORT's CPU
     new_step = torch.where(full, torch.ones_like(step), step)
     return new_kind, new_causal, new_step
-
-
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax over the key axis where allowed; exactly 0 elsewhere and on rows with no key."""
-    lowest = torch.finfo(scores.dtype).min
-    probs = torch.softmax(torch.where(allowed, scores, lowest), dim=-1)
-    return torch.where(allowed, probs, 0.0)
-
-
-def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | torch.Tensor
-) -> torch.Tensor:
-    """softmax(Q·Kᵀ · scale)·V under `allowed`; shapes (..., T, d) and allowed (..., T, T)."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    return torch.matmul(masked_softmax(scores, allowed), v)
-
-
-def kernel_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The masked quadratic form of kernel (linear, performer) attention: (W·V) / W·1 with
-    W = φ(Q)·φ(K)ᵀ where allowed, 0 elsewhere; zeros for a query with no allowed key."""
-    weights = torch.where(allowed, torch.matmul(fq, fk.transpose(-2, -1)), 0.0)  # (B, heads, T, T), >= 0
-    norm = weights.sum(dim=-1, keepdim=True)
-    return torch.matmul(weights, v) / torch.where(norm > 0, norm, 1.0)
 
 
 def performer_features(x: torch.Tensor, omega: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

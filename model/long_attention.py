@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from model.attention_math import kernel_attention, scaled_dot_product
 from model.masks import build_allowed, within_window
 
 
@@ -35,8 +36,6 @@ def sparse_softmax_attention(
 ) -> torch.Tensor:
     """softmax(Q·Kᵀ·scale)·V over each row's allowed keys (within `limit` on a local layer); zeros for
     a query with none. Rows of every kind are computed (bidirectional and causal ones too)."""
-    from model.attention import scaled_dot_product
-
     allowed = _allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step)
     if limit >= 0:
         allowed = allowed & within_window(q.shape[2], limit, q.device)
@@ -57,8 +56,6 @@ def linear_attention(
     mask_kind: torch.Tensor,  # (B,) int64: bidirectional or causal
 ) -> torch.Tensor:
     """φ(Q)·Σ φ(K)ᵀV / φ(Q)·Σ φ(K) over each row's allowed keys; zeros for a query with none."""
-    from model.attention import kernel_attention
-
     batch = mask_kind.shape[0]
     flags = torch.zeros(batch, dtype=torch.bool, device=mask_kind.device)
     ones = torch.ones(batch, dtype=torch.int64, device=mask_kind.device)
