@@ -285,3 +285,14 @@ def test_modernbert_base_shape_matches_transformers_on_long_rows(modernbert_base
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     assert_hidden_close(ours(loaded.encoder, ids, mask), expected, mask)
+
+
+def test_export_refuses_an_unknown_architecture_naming_it(tmp_path, capsys):
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(tmp_path / "out"), "--quiet"]) == 2
+    message = capsys.readouterr().err
+    assert "model_type 'gpt2' (architectures: GPT2LMHeadModel) is not supported" in message
+    assert "bert, roberta, xlm-roberta, modernbert" in message
+    assert not (tmp_path / "out" / "gpt2").exists()
