@@ -296,3 +296,10 @@ def test_export_refuses_an_unknown_architecture_naming_it(tmp_path, capsys):
     assert "model_type 'gpt2' (architectures: GPT2LMHeadModel) is not supported" in message
     assert "bert, roberta, xlm-roberta, modernbert" in message
     assert not (tmp_path / "out" / "gpt2").exists()
+
+
+def test_fp16_graph_of_a_rotary_model_is_refused_before_any_export(modernbert, tmp_path, capsys):
+    code = export_main(["--from-pretrained", str(modernbert[0]), "--out-dir", str(tmp_path), "--name", "mb",
+                        "--graphs", "fp32,fp16", "--quiet"])
+    assert code == 2 and "fp16 is not built for positional='rotary'" in capsys.readouterr().err
+    assert not (tmp_path / "mb").exists()
