@@ -141,8 +141,11 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
 
 
 def _measure(label: str, engine: str, length: int, path: str, job: dict) -> Measurement:
+    from serve.__main__ import HUGE_PAGES  # measured as the server runs: malloc on huge pages
+
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))}
     proc = subprocess.run([sys.executable, "-m", "bench.long_bench", json.dumps(job)], capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1][:160]
         return Measurement(label, engine, length, path, None, None, f"failed: {tail}")

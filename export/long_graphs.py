@@ -72,7 +72,10 @@ def _partial_softmax(scores, allowed, values):
 
 
 def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
-                             scale: float):
+                             scale: float, limit: int = -1):
+    if limit >= 0:
+        return _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
+                                      scale, limit)
     lead = op.Shape(q, start=0, end=2)  # [B, H]
     length = op.Shape(q, start=2, end=3)  # [T]
     q = op.Mul(q, _f32(scale))  # scaled once, on the (T, d) side rather than on the scores
@@ -151,6 +154,67 @@ def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, ma
     total = op.Add(op.Mul(w1, sum1), op.Mul(w2, sum2))  # (B, H, T, 1)
     numerator = op.Add(op.Mul(w1, out1), op.Mul(w2, out2))
     return op.Div(numerator, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))
+
+
+def _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
+                           scale: float, limit: int):
+    """A local layer of the attention plan (keys at |i − j| <= limit): every allowed key is in the band,
+    so only the band part runs, with K = max(limit, MIN_BLOCK). The request's mask intersects the
+    layer's window per row: bidirectional and causal rows see |i − j| <= limit (causal: j <= i too);
+    sliding_window rows min(window, limit); dilated rows the keys at multiples of the step within
+    the limit; local_strided rows the union of the two."""
+    lead = op.Shape(q, start=0, end=2)  # [B, H]
+    length = op.Shape(q, start=2, end=3)  # [T]
+    q = op.Mul(q, _f32(scale))
+    kind = mask_kind
+
+    def is_kind(*kinds):
+        out = op.Equal(kind, _i64(int(kinds[0])))
+        for other in kinds[1:]:
+            out = op.Or(out, op.Equal(kind, _i64(int(other))))
+        return out
+
+    full_rows = is_kind(MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL)
+    band_rows = is_kind(MaskKind.SLIDING_WINDOW, MaskKind.LOCAL_STRIDED)
+    lattice_rows = is_kind(MaskKind.DILATED, MaskKind.LOCAL_STRIDED)
+    band_window = op.Where(full_rows, _i64(limit),
+                           op.Where(band_rows, op.Min(mask_window, _i64(limit)), _i64(-1)))  # (B,)
+    flagged = op.And(op.Cast(mask_causal, to=ir.DataType.BOOL),
+                     is_kind(MaskKind.SLIDING_WINDOW, MaskKind.DILATED, MaskKind.LOCAL_STRIDED))
+    causal = op.Or(is_kind(MaskKind.CAUSAL), flagged)
+    step = op.Max(mask_step, _i64(1))
+    valid = op.Cast(attention_mask, to=ir.DataType.INT64)  # (B, T) 0/1
+
+    block = op.Min(_i64(max(limit, MIN_BLOCK)), op.Max(length, _i64(1)))
+    blocks = _ceil_div(length, block)  # NB
+    padded = op.Mul(blocks, block)
+    tail = op.Sub(padded, length)
+    qb = op.Reshape(_pad_seq(q, tail, 2), op.Concat(lead, blocks, block, _i64(-1), axis=0))  # (B, H, NB, K, d)
+
+    def windows(x, axis: int, shape):
+        framed = op.Reshape(_pad_seq(x, op.Add(tail, block), axis, before=block), shape)  # NB + 2 blocks
+        parts = [op.Slice(framed, _i64(s), op.Add(blocks, _i64(s)), _i64(axis)) for s in (0, 1, 2)]
+        return op.Concat(*parts, axis=axis + 1)
+
+    kv_shape = op.Concat(lead, op.Add(blocks, _i64(2)), block, _i64(-1), axis=0)
+    kb = windows(k, 2, kv_shape)  # (B, H, NB, 3K, d)
+    vb = windows(v, 2, kv_shape)
+    key_ok = windows(valid, 1, op.Concat(op.Shape(q, start=0, end=1), op.Add(blocks, _i64(2)), block, axis=0))
+    key_ok = op.Unsqueeze(op.Cast(key_ok, to=ir.DataType.BOOL), _i64(1, 3))  # (B, 1, NB, 1, 3K)
+    a = op.Range(_i64(0), op.Squeeze(block), _i64(1))
+    c = op.Range(_i64(0), op.Squeeze(op.Mul(block, _i64(3))), _i64(1))
+    distance = op.Sub(op.Add(op.Unsqueeze(a, _i64(1)), block), op.Unsqueeze(c, _i64(0)))  # (K, 3K): i - j
+    apart = op.Abs(distance)
+    in_band = op.LessOrEqual(apart, _row(band_window, 5))  # (B, 1, 1, K, 3K)
+    on_lattice = op.And(op.And(_row(lattice_rows, 5), op.LessOrEqual(apart, _i64(limit))),
+                        op.Equal(op.Mod(apart, _row(step, 5)), _i64(0)))
+    forward_ok = op.Or(op.Not(_row(causal, 5)), op.GreaterOrEqual(distance, _i64(0)))
+    allowed = op.And(op.And(op.Or(in_band, on_lattice), forward_ok), key_ok)  # (B, 1, NB, K, 3K)
+    scores = op.MatMul(qb, op.Transpose(kb, perm=[0, 1, 2, 4, 3]))  # (B, H, NB, K, 3K)
+    _, total, out = _partial_softmax(scores, allowed, vb)
+    out = op.Div(out, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))
+    flat = op.Reshape(out, op.Concat(lead, padded, _i64(-1), axis=0))
+    return op.Slice(flat, _i64(0), length, _i64(2))  # (B, H, T, d)
 
 
 def linear_attention(fq, fk, v, attention_mask, mask_kind):

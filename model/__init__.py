@@ -1,4 +1,17 @@
-"""The reference encoder. This package's __init__ imports no torch: `model.config` and
-`model.mask_kinds` are read by the server, which never imports torch. Import the torch modules
-(`model.encoder`, `model.attention`, `model.masks`, `model.pooling`, `model.checkpoint`, `model.hf_bert`)
-directly. `model.export_format` (the export directory format) is torch-free too."""
+"""The reference encoder, in two halves (this __init__ imports neither, and no torch).
+
+The torch-free contract, read by serve/ (which never imports torch) and export/:
+  model.config          EncoderConfig, the one frozen config (model parts and attention plan included)
+  model.mask_kinds      the mask kinds and their numpy reference
+  model.attention_paths which graph computes which kinds, at what cost and memory (plan-aware)
+  model.signature       the graph's inputs and outputs
+  model.export_format   the export directory format (metadata.json)
+  model.text            tokenizer helpers (tokenizers + numpy)
+
+The torch reference modules (import them directly): model.encoder (embeddings, rotary positions,
+layers, stack), model.attention (the attention layer and its paths), model.attention_math (the masked
+arithmetic it shares with model.long_attention, the long-input custom ops), model.masks, model.pooling,
+model.checkpoint (strict loading), model.hf_bert (Hugging Face BERT / RoBERTa / XLM-RoBERTa /
+ModernBERT directories).
+
+Imports point one way, torch half -> contract half, with no circle (tests/test_model_halves.py)."""

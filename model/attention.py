@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import long_attention
+from model.attention_math import kernel_attention, masked_softmax, scaled_dot_product  # noqa: F401 (re-exported)
 from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
+from model.mask_kinds import MaskKind
 
 
 class MaskInputs(NamedTuple):
@@ -31,29 +33,26 @@ class MaskInputs(NamedTuple):
     window: torch.Tensor  # (B,) int64
     step: torch.Tensor  # (B,) int64
     allowed: torch.Tensor | None = None
+    allowed_local: torch.Tensor | None = None  # (B, T, T): `allowed` within the plan's local window
 
 
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax over the key axis where allowed; exactly 0 elsewhere and on rows with no key."""
-    lowest = torch.finfo(scores.dtype).min
-    probs = torch.softmax(torch.where(allowed, scores, lowest), dim=-1)
-    return torch.where(allowed, probs, 0.0)
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary positions on (B, heads, T, head_dim), rotate-half layout (transformers' convention):
+    x·cos + rotate_half(x)·sin with rotate_half([x₁, x₂]) = [−x₂, x₁]."""
+    cos, sin = rotary  # (T, head_dim) each
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
 
 
-def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | torch.Tensor
-) -> torch.Tensor:
-    """softmax(Q·Kᵀ · scale)·V under `allowed`; shapes (..., T, d) and allowed (..., T, T)."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    return torch.matmul(masked_softmax(scores, allowed), v)
-
-
-def kernel_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The masked quadratic form of kernel (linear, performer) attention: (W·V) / W·1 with
-    W = φ(Q)·φ(K)ᵀ where allowed, 0 elsewhere; zeros for a query with no allowed key."""
-    weights = torch.where(allowed, torch.matmul(fq, fk.transpose(-2, -1)), 0.0)  # (B, heads, T, T), >= 0
-    norm = weights.sum(dim=-1, keepdim=True)
-    return torch.matmul(weights, v) / torch.where(norm > 0, norm, 1.0)
+def global_layer_kinds(kind: torch.Tensor, causal: torch.Tensor, step: torch.Tensor):
+    """On the sparse path a global layer computes bidirectional and causal rows too: as dilated rows
+    of step 1 (every key; causal flag for causal rows), i.e. dense attention in the strided part."""
+    full = (kind == MaskKind.BIDIRECTIONAL) | (kind == MaskKind.CAUSAL)
+    new_kind = torch.where(full, torch.full_like(kind, int(MaskKind.DILATED)), kind)
+    new_causal = (kind == MaskKind.CAUSAL) | (causal.to(torch.bool) & ~full)  # no bool Where on ORT's CPU
+    new_step = torch.where(full, torch.ones_like(step), step)
+    return new_kind, new_causal, new_step
 
 
 def performer_features(x: torch.Tensor, omega: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,15 +76,17 @@ def performer_features(x: torch.Tensor, omega: torch.Tensor, valid: torch.Tensor
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, config: EncoderConfig, path: str = DENSE) -> None:
+    def __init__(self, config: EncoderConfig, path: str = DENSE, window: int | None = None) -> None:
         super().__init__()
         self.config = config
         d, h = config.d_model, config.n_heads
         self.n_heads, self.head_dim = h, config.head_dim
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
-        self.out_proj = nn.Linear(d, d)
+        self.window = window  # a local layer of the attention plan: keys at |i - j| <= window only
+        bias = config.linear_bias
+        self.q_proj = nn.Linear(d, d, bias=bias)
+        self.k_proj = nn.Linear(d, d, bias=bias)
+        self.v_proj = nn.Linear(d, d, bias=bias)
+        self.out_proj = nn.Linear(d, d, bias=bias)
         # The paths are chosen once, here, not per call.
         self.kind = config.attention
         if path not in (DENSE, long_path(config)):
@@ -125,22 +126,29 @@ class MultiHeadAttention(nn.Module):
             return F.elu(q) + 1, F.elu(k) + 1
         return performer_features(q, self.omega), performer_features(k, self.omega, attention_mask)
 
-    def forward(self, x: torch.Tensor, masks: MaskInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, masks: MaskInputs, rotary: tuple | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(x))
         v = self._split(self.v_proj(x))
+        if rotary is not None:
+            q, k = rotate(q, rotary), rotate(k, rotary)
         if self.path == SPARSE:
             q, k, scale = self._scale(q, k, masks.attention_mask)
             if isinstance(scale, torch.Tensor):  # per row: fold it into q, the op takes a constant
                 q, scale = q * scale, 1.0
+            kind, causal, step = masks.kind, masks.causal, masks.step
+            if self.window is None:
+                kind, causal, step = global_layer_kinds(kind, causal, step)
             y = long_attention.sparse_softmax_attention(
-                q, k, v, masks.attention_mask, masks.kind, masks.causal, masks.window, masks.step, float(scale))
+                q, k, v, masks.attention_mask, kind, causal, masks.window, step, float(scale),
+                -1 if self.window is None else self.window)
         elif self.path == LINEAR:
             fq, fk = self._features(q, k, masks.attention_mask)
             y = long_attention.linear_attention(fq, fk, v, masks.attention_mask, masks.kind)
         else:
-            keep = masks.allowed[:, None]  # (B, 1, T, T), broadcast over heads
+            allowed = masks.allowed if self.window is None else masks.allowed_local
+            keep = allowed[:, None]  # (B, 1, T, T), broadcast over heads
             if self.kind == "softmax":
                 q, k, scale = self._scale(q, k, masks.attention_mask)
                 y = scaled_dot_product(q, k, v, keep, scale)

@@ -78,14 +78,38 @@ def block_size(window: int, length: int) -> int:
     return max(1, min(max(window, MIN_BLOCK), length))
 
 
-def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig) -> float:
-    """Attention score elements one row computes per head and layer on `path` (its work and memory)."""
+def path_kinds(path: str, config: EncoderConfig) -> frozenset:
+    """The mask kinds `path` computes for this config: with an attention plan (local layers) the sparse
+    path computes bidirectional and causal rows too (local layers banded, global layers dense)."""
+    kinds = PATH_KINDS[path]
+    if path == SPARSE and config.local_layers:
+        kinds = kinds | {MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL}
+    return kinds
+
+
+def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig, *, peak: bool = False) -> float:
+    """Attention score elements one row computes per head and layer on `path` (its work and memory).
+    With an attention plan the work is the mean over the layers and the memory (`peak`) the largest
+    layer's: a local layer on the sparse path costs its band T·3K, K = max(local_window, MIN_BLOCK),
+    whatever the row's kind; a global layer what the row's kind costs (bidirectional and causal rows:
+    T², as dense)."""
     t = max(length, 1)
     if path == DENSE:
         return float(t * t)
     if path == LINEAR:
         features = config.performer_features if config.attention == "performer" else config.head_dim
         return float(t * (CHUNK + 2 * features))
+    if config.local_layers:
+        k = block_size(config.local_window, t)
+        local = math.ceil(t / k) * k * 3 * k
+        if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # global layers: dense (step 1)
+            mask = RowMask(MaskKind.DILATED, 0, 1)
+        plain = config.replace(local_layers=())
+        global_cost = score_elements(path, length, mask, plain)
+        n_local = len(config.local_layers)
+        if peak:
+            return float(max(local, global_cost) if n_local < config.n_layers else local)
+        return float((n_local * local + (config.n_layers - n_local) * global_cost) / config.n_layers)
     window = mask.window if mask.kind.uses_window else -1
     k = block_size(window, t)
     band = math.ceil(t / k) * k * 3 * k
@@ -100,7 +124,7 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig)
 
 def computes(path: str, kind: MaskKind, config: EncoderConfig) -> bool:
     """Whether `path` computes rows of `kind` exactly for this config's attention."""
-    return path == DENSE or (path == long_path(config) and kind in PATH_KINDS[path])
+    return path == DENSE or (path == long_path(config) and kind in path_kinds(path, config))
 
 
 def cheapest(length: int, mask: RowMask, config: EncoderConfig, available: tuple[str, ...]) -> str:
@@ -117,6 +141,6 @@ def cheapest(length: int, mask: RowMask, config: EncoderConfig, available: tuple
 def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: EncoderConfig) -> int:
     """Estimated peak bytes of one run of `rows` rows of `length` tokens on `path` (one layer's attention
     at its peak, plus the activations that scale with the tokens)."""
-    scores = score_elements(path, length, mask, config) * config.n_heads * BYTES_PER_SCORE[path]
+    scores = score_elements(path, length, mask, config, peak=True) * config.n_heads * BYTES_PER_SCORE[path]
     tokens = length * max(config.d_model, config.d_ff) * BYTES_PER_TOKEN_DIM / 4
     return int(rows * (scores + tokens))

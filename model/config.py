@@ -16,8 +16,14 @@ from typing import Any, Mapping
 # error messages read these tuples; nothing else spells the choices out.
 SCALINGS = ("sqrt_dk", "temperature", "cosine", "length")
 NORM_PLACEMENTS = ("post", "pre")
-POSITIONALS = ("sinusoidal", "learned", "none")
+POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
+# How learned positions are numbered: 0, 1, 2, ... (BERT), or RoBERTa's: real tokens count from
+# pad_token_id + 1 (cumulative count of non-padding ids), padding tokens get pad_token_id.
+POSITION_IDS = ("range", "after_padding")
 ACTIVATIONS = ("relu", "gelu")
+# Feed-forward: act(x·W1)·W2 ("standard"), or gated (GLU: act(x·W_in)·(x·W_gate), then W2; GeGLU
+# with activation="gelu", as ModernBERT: one up projection of 2·d_ff, its first half the input).
+FFN_KINDS = ("standard", "gated")
 ATTENTION_KINDS = ("softmax", "additive", "linear", "performer")
 INPUT_KINDS = ("tokens", "features")
 
@@ -54,6 +60,21 @@ class EncoderConfig:
     positional: str = "sinusoidal"
     activation: str = "relu"
     attention: str = "softmax"
+    ffn: str = "standard"
+    position_ids: str = "range"  # positional="learned" only
+    # Rotary positions (positional="rotary"): θ of global layers and of local layers.
+    rope_theta: float = 10000.0
+    rope_theta_local: float = 10000.0
+    # Bias-free projections (ModernBERT: no bias in any linear nor in any LayerNorm).
+    linear_bias: bool = True
+    norm_bias: bool = True
+    # Pre-norm stacks whose first layer takes the (normalised) embeddings without its own attention
+    # norm (ModernBERT: layer 0's attn_norm is the identity).
+    first_attention_norm: bool = True
+    # The attention plan: the layers listed here are local (each query sees keys at |i - j| <=
+    # local_window, intersected with the request's own mask), every other layer is global.
+    local_layers: tuple[int, ...] = ()
+    local_window: int = 0
     # Random features m of performer attention (FAVOR+, φ(x) = exp(ω·x − ‖x‖²/2)/√m, ω ~ N(0, I)
     # drawn from `seed`); used by attention="performer" only.
     performer_features: int = 64
@@ -63,6 +84,7 @@ class EncoderConfig:
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
         for name, allowed in (
             ("scaling", SCALINGS),
             ("norm_placement", NORM_PLACEMENTS),
@@ -70,6 +92,8 @@ class EncoderConfig:
             ("activation", ACTIVATIONS),
             ("attention", ATTENTION_KINDS),
             ("input_kind", INPUT_KINDS),
+            ("ffn", FFN_KINDS),
+            ("position_ids", POSITION_IDS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -89,6 +113,26 @@ class EncoderConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.layer_norm_eps <= 0:
             raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+        if self.position_ids != "range" and (self.positional != "learned" or self.input_kind != "tokens"):
+            raise ConfigError(f"position_ids={self.position_ids!r} needs positional='learned' and input_kind='tokens'")
+        if self.position_ids == "after_padding" and self.pad_token_id + 2 > self.max_positions:
+            raise ConfigError(f"position_ids='after_padding' needs max_positions > pad_token_id + 1 "
+                              f"(got {self.max_positions}, pad_token_id {self.pad_token_id})")
+        if self.positional == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"positional='rotary' needs an even head_dim, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rope_theta_local <= 0:
+            raise ConfigError("rope_theta and rope_theta_local must be > 0")
+        if not self.first_attention_norm and self.norm_placement != "pre":
+            raise ConfigError("first_attention_norm=False needs norm_placement='pre'")
+        layers = tuple(self.local_layers)
+        if any(not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers) \
+                or list(layers) != sorted(layers):
+            raise ConfigError(f"local_layers must be distinct layer indices in 0..{self.n_layers - 1}, "
+                              f"ascending; got {list(layers)}")
+        if self.local_window < 0:
+            raise ConfigError(f"local_window must be >= 0, got {self.local_window}")
+        if layers and self.attention != "softmax":
+            raise ConfigError("local_layers (an attention plan) needs attention='softmax'")
 
     @property
     def head_dim(self) -> int:
@@ -97,8 +141,21 @@ class EncoderConfig:
     @property
     def position_limit(self) -> int | None:
         """The longest sequence the model itself can take: a learned position table stops at
-        max_positions; sinusoidal positions (computed in the graph) and none extend to any length."""
-        return self.max_positions if self.positional == "learned" else None
+        max_positions (RoBERTa numbering: max_positions - pad_token_id - 1); sinusoidal and rotary
+        positions (computed in the graph) and none extend to any length."""
+        if self.positional != "learned":
+            return None
+        if self.position_ids == "after_padding":
+            return self.max_positions - self.pad_token_id - 1
+        return self.max_positions
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` is local in the attention plan (see local_layers)."""
+        return layer in self.local_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The local window of layer `layer`, or None for a global layer."""
+        return self.local_window if self.is_local(layer) else None
 
     def replace(self, **changes: Any) -> "EncoderConfig":
         """A new config with `changes`; unknown fields are a ConfigError, not a TypeError."""
@@ -108,6 +165,7 @@ class EncoderConfig:
 def to_dict(config: EncoderConfig) -> dict[str, Any]:
     data = dataclasses.asdict(config)
     data["source"] = dict(config.source)
+    data["local_layers"] = list(config.local_layers)
     return data
 
 
@@ -119,7 +177,9 @@ def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
     coerced: dict[str, Any] = {}
     for key, value in data.items():
         default = known[key].default
-        if isinstance(default, bool):
+        if key == "local_layers":
+            coerced[key] = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip())
+        elif isinstance(default, bool):
             if isinstance(value, str):
                 value = value.lower() in ("1", "true", "yes", "on")
             coerced[key] = bool(value)

@@ -7,6 +7,7 @@ Read top to bottom: Embeddings -> EncoderLayer x N -> (final norm for pre-norm) 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import nn
 from model.attention import MaskInputs, MultiHeadAttention
 from model.attention_paths import DENSE
 from model.config import EncoderConfig
-from model.masks import build_allowed
+from model.masks import build_allowed, within_window
 from model.pooling import mean_pool
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None) -> torch.Tensor:
@@ -31,6 +32,27 @@ def sinusoidal_positions(length: int, d_model: int, device: torch.device | None 
     return table[:, :d_model].to(torch.float32)
 
 
+def rotary_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """1 / θ^(2k/d) for k < d/2, in float32 as transformers computes it (so positions match bit for bit)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rotary_tables(length: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (T, head_dim): angle t·f_k, the half-dim table repeated twice (rotate-half layout).
+
+    Computed from the positions in the graph, so rotary positions extend to any length."""
+    position = torch.arange(length, dtype=torch.float32, device=inv_freq.device)[:, None]
+    angles = position * inv_freq[None]  # (T, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def learned_position_ids(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RoBERTa numbering (B, T): real tokens count pad_token_id + 1, + 2, ...; padding ids get pad_token_id."""
+    real = (input_ids != pad_token_id).to(torch.int64)
+    return torch.cumsum(real, dim=1) * real + pad_token_id
+
+
 class Embeddings(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -39,12 +61,15 @@ class Embeddings(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, d) if config.input_kind == "tokens" else None
         self.token_types = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
         self.positions = nn.Embedding(config.max_positions, d) if config.positional == "learned" else None
-        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.embedding_layer_norm else None
+        self.norm = (nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias)
+                     if config.embedding_layer_norm else None)
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         h = self.tokens(x) if self.tokens is not None else x  # (B, T, D)
         length = h.shape[1]
-        if self.positions is not None:
+        if self.positions is not None and self.config.position_ids == "after_padding":
+            h = h + self.positions(learned_position_ids(x, self.config.pad_token_id))
+        elif self.positions is not None:
             h = h + self.positions.weight[:length][None]
         elif self.config.positional == "sinusoidal":
             h = h + sinusoidal_positions(length, self.config.d_model, h.device)[None]
@@ -56,35 +81,44 @@ class Embeddings(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = act(x·W1 + b1)·W2 + b2."""
+    """FFN(x) = act(x·W1 + b1)·W2 + b2; gated (GLU): [u, g] = x·W1, FFN(x) = (act(u) * g)·W2."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(config.d_model, config.d_ff)
-        self.down = nn.Linear(config.d_ff, config.d_model)
+        self.gated = config.ffn == "gated"
+        width = 2 * config.d_ff if self.gated else config.d_ff
+        self.up = nn.Linear(config.d_model, width, bias=config.linear_bias)  # gated: (input, gate) halves
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.linear_bias)
         self.activation = F.relu if config.activation == "relu" else F.gelu  # exact (erf) GELU, as BERT
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            value, gate = self.up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
+            return self.down(self.activation(value) * gate)
         return self.down(self.activation(self.up(x)))
 
 
 class EncoderLayer(nn.Module):
     """post-norm: x = LN(x + MHA(x)); x = LN(x + FFN(x)).  pre-norm: x = x + MHA(LN(x)); ..."""
 
-    def __init__(self, config: EncoderConfig, path: str = DENSE) -> None:
+    def __init__(self, config: EncoderConfig, path: str = DENSE, index: int = 0) -> None:
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
-        self.attention = MultiHeadAttention(config, path)
-        self.attention_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        # The attention plan: a local layer attends within config.local_window (intersected with the
+        # request's mask), a global one as the request asks.
+        self.window = config.layer_window(index)
+        self.attention = MultiHeadAttention(config, path, window=self.window)
+        norm = partial(nn.LayerNorm, config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
+        self.attention_norm = nn.Identity() if index == 0 and not config.first_attention_norm else norm()
         self.ffn = FeedForward(config)
-        self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ffn_norm = norm()
         # Dropout after attention and FFN is inactive at inference; the reference omits it.
 
-    def forward(self, x: torch.Tensor, masks: MaskInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, masks: MaskInputs, rotary: tuple | None = None) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.attention(self.attention_norm(x), masks)
+            x = x + self.attention(self.attention_norm(x), masks, rotary)
             return x + self.ffn(self.ffn_norm(x))
-        x = self.attention_norm(x + self.attention(x, masks))
+        x = self.attention_norm(x + self.attention(x, masks, rotary))
         return self.ffn_norm(x + self.ffn(x))
 
 
@@ -98,10 +132,16 @@ class Encoder(nn.Module):
         self.config = config
         self.path = path
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config, path) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, path, i) for i in range(config.n_layers))
         self.final_norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_placement == "pre" else None
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
+            if config.norm_placement == "pre" else None
         )
+        if config.positional == "rotary":  # fixed tables: non-persistent, never in a state dict
+            self.register_buffer("rope_global", rotary_inverse_frequencies(config.head_dim, config.rope_theta),
+                                 persistent=False)
+            self.register_buffer("rope_local", rotary_inverse_frequencies(config.head_dim, config.rope_theta_local),
+                                 persistent=False)
 
     def forward(
         self,
@@ -120,10 +160,17 @@ class Encoder(nn.Module):
                 length = attention_mask.shape[1]
                 custom_mask = torch.ones(attention_mask.shape[0], length, length, dtype=torch.bool)
             allowed = build_allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step, custom_mask)
-            masks = masks._replace(allowed=allowed)
+            # A local layer's keys: the request's allowed keys within the plan's window (the rule).
+            local = allowed & within_window(allowed.shape[1], self.config.local_window, allowed.device) \
+                if self.config.local_layers else None
+            masks = masks._replace(allowed=allowed, allowed_local=local)
         h = self.embeddings(inputs, token_type_ids)  # (B, T, D)
+        rotary = {}
+        if self.config.positional == "rotary":
+            rotary = {None: rotary_tables(h.shape[1], self.rope_global),
+                      self.config.local_window: rotary_tables(h.shape[1], self.rope_local)}
         for layer in self.layers:
-            h = layer(h, masks)
+            h = layer(h, masks, rotary.get(layer.window))
         if self.final_norm is not None:
             h = self.final_norm(h)
         return h, mean_pool(h, attention_mask)

@@ -1,12 +1,22 @@
-"""Hugging Face BERT-family checkpoints: the BERT ⇄ encoder name mapping, config.json → EncoderConfig,
-the sentence-transformers settings (pooling, max length), and the packaged all-MiniLM-L6-v2.
+"""Hugging Face encoder checkpoints: BERT (MiniLM & co.), RoBERTa / XLM-RoBERTa and ModernBERT.
+Per family: the checkpoint ⇄ encoder name mapping, config.json → EncoderConfig; shared: the
+sentence-transformers settings (pooling, max length), and the packaged all-MiniLM-L6-v2.
 
-  load_pretrained(directory)  a BERT directory (config.json, model.safetensors or pytorch_model.bin,
-                              tokenizer.json and, when present, the sentence-transformers module files)
+  load_pretrained(directory)  a directory of one of SUPPORTED_MODEL_TYPES (config.json,
+                              model.safetensors or pytorch_model.bin, tokenizer.json and, when present,
+                              the sentence-transformers module files); any other model_type is refused
   load_minilm()               the pip-packaged all-MiniLM-L6-v2 (no hub access)
 
-Weights are loaded strictly by model/checkpoint.py (`fit_encoder`); the only BERT tensors dropped are
-on the short, explicit ignore list below. No transformers at run time.
+Weights are loaded strictly by model/checkpoint.py (`fit_encoder`); the only checkpoint tensors dropped
+are on the short, explicit ignore lists below. No transformers at run time.
+
+  bert                 post-norm, learned positions 0, 1, 2, ..., token types, biases everywhere
+  roberta, xlm-roberta BERT's layers and names; positions numbered from pad_token_id + 1 (RoBERTa's
+                       position ids: config position_ids="after_padding"), one token type
+  modernbert           pre-norm (layer 0 without its attention norm), rotary positions (θ per layer
+                       kind), GeGLU, no biases, fused Wqkv (split into q/k/v here), and the attention
+                       plan from layer_types / global_attn_every_n_layers: sliding layers are local
+                       with window local_attention // 2 (|i − j| <= 64 for ModernBERT's 128)
 """
 
 from __future__ import annotations
@@ -61,7 +71,36 @@ _LAYER_NAME = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 # HF `hidden_act` -> our activation. HF "gelu" is the exact (erf) GELU, as ours; the tanh
 # approximations ("gelu_new", "gelu_pytorch_tanh", ...) are refused rather than silently changed.
 BERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
-SUPPORTED_MODEL_TYPES = ("bert",)
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+MODERNBERT_TYPE = "modernbert"
+SUPPORTED_MODEL_TYPES = ("bert", *ROBERTA_TYPES, MODERNBERT_TYPE)
+# Task models keep the encoder under a prefix, per family.
+FAMILY_PREFIXES: Mapping[str, str] = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.",
+                                      MODERNBERT_TYPE: "model."}
+ROBERTA_IGNORED_PREFIXES = ("pooler.", "lm_head.", "classifier.", "qa_outputs.")
+
+# ModernBERT (transformers' ModernBertModel) name -> ours. Wqkv is fused: its rows are q, k, v in this
+# order ((3·D, D), split in three). Layer 0 has no attn_norm (ours: attention_norm is the identity).
+MODERNBERT_NAMES: Mapping[str, str] = {
+    "embeddings.tok_embeddings.weight": "embeddings.tokens.weight",
+    "embeddings.norm.weight": "embeddings.norm.weight",
+    "embeddings.norm.bias": "embeddings.norm.bias",
+    "final_norm.weight": "final_norm.weight",
+    "final_norm.bias": "final_norm.bias",
+}
+MODERNBERT_LAYER_MODULES: Mapping[str, str] = {
+    "attn_norm": "attention_norm",
+    "attn.Wo": "attention.out_proj",
+    "mlp_norm": "ffn_norm",
+    "mlp.Wi": "ffn.up",  # (2·d_ff, D): GeGLU's input half then its gate half, as ours
+    "mlp.Wo": "ffn.down",
+}
+MODERNBERT_FUSED = "attn.Wqkv"
+MODERNBERT_SPLIT = ("attention.q_proj", "attention.k_proj", "attention.v_proj")
+MODERNBERT_IGNORED_PREFIXES = ("head.", "decoder.", "classifier.", "drop.")
+_MODERNBERT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+# transformers' ModernBERT activations we compute exactly ("gelu" is the erf GELU).
+MODERNBERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
 
 # sentence-transformers module types we reproduce; any other module (Dense, ...) would change the
 # embedding, so a directory using one is refused.
@@ -73,6 +112,20 @@ ST_POOLING_MODES: Mapping[str, str] = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
 }
+# sentence-transformers >= 6 writes {"pooling_mode": "mean"} instead of the flags above.
+ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls"}
+# ... and names its modules by their new homes (sentence_transformers.base.modules.transformer.Transformer);
+# a module is known by its class name under the sentence_transformers package.
+_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)}
+
+
+def _module_kind(kind: str | None) -> str | None:
+    """modules.json's type, old (sentence_transformers.models.Pooling) or new layout, as the old name."""
+    if isinstance(kind, str) and kind.startswith("sentence_transformers.") and kind.rsplit(".", 1)[-1] in _ST_CLASSES:
+        return _ST_CLASSES[kind.rsplit(".", 1)[-1]]
+    return kind
+
+
 ST_UNSUPPORTED_POOLING_FLAGS = (
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
@@ -114,8 +167,42 @@ def encoder_to_bert_name(name: str) -> str | None:
     return None
 
 
+def modernbert_to_encoder(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, str]]:
+    """[(our name, tensor, checkpoint name as shown)] for a ModernBertModel tensor; [] when none.
+    The fused Wqkv gives three (its row blocks q, k, v)."""
+    if name in MODERNBERT_NAMES:
+        return [(MODERNBERT_NAMES[name], tensor, name)]
+    match = _MODERNBERT_LAYER.match(name)
+    if not match:
+        return []
+    index, module, suffix = match.groups()
+    if module in MODERNBERT_LAYER_MODULES:
+        return [(f"layers.{index}.{MODERNBERT_LAYER_MODULES[module]}.{suffix}", tensor, name)]
+    if module == MODERNBERT_FUSED and tensor.shape[0] % 3 == 0:
+        rows = tensor.shape[0] // 3
+        return [(f"layers.{index}.{ours}.{suffix}", part, f"{name}[{i * rows}:{(i + 1) * rows}]")
+                for i, (ours, part) in enumerate(zip(MODERNBERT_SPLIT, tensor.split(rows, dim=0)))]
+    return []
+
+
+def encoder_to_modernbert_name(name: str) -> str | None:
+    """The ModernBERT name of one of our tensors (for messages about tensors a checkpoint lacks)."""
+    for theirs, ours in MODERNBERT_NAMES.items():
+        if ours == name:
+            return theirs
+    match = _OUR_LAYER_NAME.match(name)
+    if match:
+        index, module, suffix = match.groups()
+        if module in MODERNBERT_SPLIT:
+            return f"layers.{index}.{MODERNBERT_FUSED}.{suffix} ({module.split('.')[-1][0]} rows)"
+        for theirs, ours in MODERNBERT_LAYER_MODULES.items():
+            if ours == module:
+                return f"layers.{index}.{theirs}.{suffix}"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
-# BERT-family directories.
+# Encoder directories of the supported families.
 
 
 def pooling_settings(mode: str = "mean", normalize: bool = False) -> dict[str, Any]:
@@ -148,10 +235,15 @@ class PretrainedModel:
 
 
 def encoder_config_from_hf(hf: Mapping[str, Any], *, name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
-    """EncoderConfig for a Hugging Face BERT config.json; refuses what the encoder cannot compute."""
+    """EncoderConfig for a Hugging Face config.json of a supported family; refuses what the encoder
+    cannot compute, naming it."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        architectures = ", ".join(hf.get("architectures") or []) or "none given"
+        raise CheckpointError(f"model_type {model_type!r} (architectures: {architectures}) is not supported; "
+                              f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == MODERNBERT_TYPE:
+        return modernbert_config(hf, name=name, source=source)
     act = hf.get("hidden_act", "gelu")
     if act not in BERT_ACTIVATIONS:
         raise CheckpointError(
@@ -169,6 +261,9 @@ def encoder_config_from_hf(hf: Mapping[str, Any], *, name: str, source: Mapping[
     if absent:
         raise CheckpointError(f"config.json lacks {', '.join(absent)}")
     pad = hf.get("pad_token_id")
+    roberta = model_type in ROBERTA_TYPES
+    if roberta and pad is None:
+        raise CheckpointError(f"a {model_type} config.json needs pad_token_id (its position ids start after it)")
     try:
         return EncoderConfig(
             name=name,
@@ -186,7 +281,82 @@ def encoder_config_from_hf(hf: Mapping[str, Any], *, name: str, source: Mapping[
             scaling="sqrt_dk",  # BERT: softmax(QKᵀ / sqrt(head_dim))
             norm_placement="post",
             positional="learned",
+            position_ids="after_padding" if roberta else "range",
             activation=BERT_ACTIVATIONS[act],
+            attention="softmax",
+            source=dict(source),
+        )
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json does not describe a valid encoder: {exc}") from exc
+
+
+def _modernbert_thetas(hf: Mapping[str, Any]) -> tuple[float, float]:
+    """(global θ, local θ): transformers 5's rope_parameters, or the older global/local_rope_theta."""
+    params = hf.get("rope_parameters") or {}
+    thetas = []
+    for kind, old, default in (("full_attention", "global_rope_theta", 160_000.0),
+                               ("sliding_attention", "local_rope_theta", 10_000.0)):
+        entry = params.get(kind) or {}
+        rope_type = entry.get("rope_type", "default")
+        if rope_type != "default" or hf.get("rope_scaling"):
+            raise CheckpointError(f"rope_type {rope_type!r} / rope_scaling for {kind} is not supported; "
+                                  "expected plain rotary positions ('default')")
+        thetas.append(float(entry.get("rope_theta", hf.get(old, default))))
+    return thetas[0], thetas[1]
+
+
+def modernbert_config(hf: Mapping[str, Any], *, name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
+    """EncoderConfig for a ModernBERT config.json (transformers 4.48+ or 5 layout)."""
+    act = hf.get("hidden_activation", "gelu")
+    if act not in MODERNBERT_ACTIVATIONS:
+        raise CheckpointError(f"hidden_activation {act!r} is not supported; expected one of "
+                              f"{', '.join(MODERNBERT_ACTIVATIONS)} (the tanh GELU is not the exact GELU)")
+    required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+    absent = [k for k in required if k not in hf]
+    if absent:
+        raise CheckpointError(f"config.json lacks {', '.join(absent)}")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise CheckpointError(f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads is not supported")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise CheckpointError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported "
+                              "(one bias switch for every linear)")
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        every = int(hf.get("global_attn_every_n_layers", 3))
+        layer_types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    global_theta, local_theta = _modernbert_thetas(hf)
+    pad = hf.get("pad_token_id")
+    try:
+        return EncoderConfig(
+            name=name,
+            d_model=int(hf["hidden_size"]),
+            n_heads=int(hf["num_attention_heads"]),
+            n_layers=layers,
+            d_ff=int(hf["intermediate_size"]),
+            input_kind="tokens",
+            vocab_size=int(hf["vocab_size"]),
+            max_positions=int(hf.get("max_position_embeddings", 8192)),
+            type_vocab_size=0,
+            embedding_layer_norm=True,
+            layer_norm_eps=float(hf.get("norm_eps", 1e-5)),
+            pad_token_id=int(pad) if pad is not None else 0,
+            scaling="sqrt_dk",
+            norm_placement="pre",
+            positional="rotary",
+            rope_theta=global_theta,
+            rope_theta_local=local_theta,
+            activation=MODERNBERT_ACTIVATIONS[act],
+            ffn="gated",
+            linear_bias=attention_bias,
+            norm_bias=bool(hf.get("norm_bias", False)),
+            first_attention_norm=False,
+            local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+            local_window=int(hf.get("local_attention", 128)) // 2,
             attention="softmax",
             source=dict(source),
         )
@@ -211,30 +381,51 @@ def read_hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def map_bert_names(
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor], model_type: str = "bert",
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str], list[str]]:
     """(tensors in our names, our name -> checkpoint name, ignored names, unused names).
 
-    Names go through the tables above; a task model (BertForMaskedLM, ...) keeps the encoder
-    under "bert.", which is stripped, and its heads are on the ignore list.
+    Names go through the family's tables above; a task model (BertForMaskedLM, ...) keeps the encoder
+    under its family's prefix ("bert.", "roberta.", "model."), which is stripped, and its heads are on
+    the ignore list.
     """
+    prefix = FAMILY_PREFIXES.get(model_type, BERT_PREFIX)
+    if model_type == MODERNBERT_TYPE:
+        ignored_names, ignored_prefixes = (), MODERNBERT_IGNORED_PREFIXES
+    elif model_type in ROBERTA_TYPES:
+        ignored_names, ignored_prefixes = BERT_IGNORED_NAMES, ROBERTA_IGNORED_PREFIXES
+    else:
+        ignored_names, ignored_prefixes = BERT_IGNORED_NAMES, BERT_IGNORED_PREFIXES
     ours: dict[str, torch.Tensor] = {}
     back: dict[str, str] = {}
     ignored: list[str] = []
     unused: list[str] = []
     for name, tensor in tensors.items():
-        bare = name[len(BERT_PREFIX):] if name.startswith(BERT_PREFIX) else name
-        target = bert_to_encoder_name(bare)
-        if target is not None:
+        stripped = prefix if name.startswith(prefix) else ""
+        bare = name[len(stripped):]
+        if model_type == MODERNBERT_TYPE:
+            targets = modernbert_to_encoder(bare, tensor)
+        else:
+            target = bert_to_encoder_name(bare)
+            targets = [(target, tensor, bare)] if target is not None else []
+        for target, value, shown in targets:
+            shown = stripped + shown
             if target in ours:
-                unused.append(f"{name} (duplicate of {back[target]})")
+                unused.append(f"{shown} (duplicate of {back[target]})")
                 continue
-            ours[target], back[target] = tensor, name
-        elif bare in BERT_IGNORED_NAMES or bare.startswith(BERT_IGNORED_PREFIXES):
+            ours[target], back[target] = value, shown
+        if targets:
+            continue
+        if bare in ignored_names or bare.startswith(ignored_prefixes):
             ignored.append(name)
         else:
             unused.append(name)
     return ours, back, sorted(ignored), sorted(unused)
+
+
+def name_in_checkpoint(model_type: str):
+    """Our name -> the family's checkpoint name, for messages about tensors a checkpoint lacks."""
+    return encoder_to_modernbert_name if model_type == MODERNBERT_TYPE else encoder_to_bert_name
 
 
 def load_bert_weights(config: EncoderConfig, tensors: Mapping[str, torch.Tensor], *, origin: str) -> Encoder:
@@ -244,13 +435,15 @@ def load_bert_weights(config: EncoderConfig, tensors: Mapping[str, torch.Tensor]
                 name_in_checkpoint=encoder_to_bert_name)
 
 
-def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
+                                        max_positions: int | None = None) -> tuple[dict[str, Any], int]:
     """(pooling, tokenizer max length) from modules.json & co.; plain BERT defaults without them.
 
     Without sentence-transformers files: mean pooling, no normalisation, and the tokenizer's
-    model_max_length capped at max_position_embeddings.
+    model_max_length capped at the model's longest sequence (`max_positions`; default
+    max_position_embeddings; RoBERTa's is 2 less).
     """
-    max_positions = int(hf["max_position_embeddings"])
+    max_positions = int(max_positions or hf["max_position_embeddings"])
     modules_file = directory / "modules.json"
     if not modules_file.is_file():
         length = max_positions
@@ -262,18 +455,24 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any]) 
         return pooling_settings("mean", normalize=False), length
 
     modules = json.loads(modules_file.read_text())
-    kinds = [m.get("type") for m in modules]
+    kinds = [_module_kind(m.get("type")) for m in modules]
     unknown = [k for k in kinds if k not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)]
     if unknown:
         raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
     if kinds.count(ST_TRANSFORMER) != 1 or kinds.count(ST_POOLING) != 1:
         raise CheckpointError(f"{modules_file} needs exactly one Transformer and one Pooling module, has {kinds}")
-    by_type = {m["type"]: m for m in modules}
+    by_type = {kind: m for kind, m in zip(kinds, modules)}
 
     pooling_file = directory / by_type[ST_POOLING].get("path", "") / "config.json"
     settings = json.loads(pooling_file.read_text())
     modes = [mode for flag, mode in ST_POOLING_MODES.items() if settings.get(flag)]
     refused = [flag for flag in ST_UNSUPPORTED_POOLING_FLAGS if settings.get(flag)]
+    if "pooling_mode" in settings:  # sentence-transformers >= 6 writes the mode by name
+        named = settings["pooling_mode"]
+        if named in ST_POOLING_MODE_NAMES:
+            modes.append(ST_POOLING_MODE_NAMES[named])
+        else:
+            refused.append(f"pooling_mode={named!r}")
     if refused or len(modes) != 1:
         raise CheckpointError(
             f"{pooling_file}: need exactly one of {', '.join(ST_POOLING_MODES)}; "
@@ -287,33 +486,44 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any]) 
         declared = json.loads(bert_cfg.read_text()).get("max_seq_length")
         if declared is not None:
             length = int(declared)
+        else:  # sentence-transformers >= 6: the tokenizer's model_max_length
+            tok_cfg = directory / "tokenizer_config.json"
+            declared = json.loads(tok_cfg.read_text()).get("model_max_length") if tok_cfg.is_file() else None
+            if isinstance(declared, int) and 0 < declared < length:
+                length = declared
     if not 0 < length <= max_positions:
-        raise CheckpointError(f"max_seq_length {length} is outside 1..max_position_embeddings={max_positions}")
+        raise CheckpointError(f"max_seq_length {length} is outside 1..{max_positions} (the model's longest sequence)")
     return pooling, length
 
 
 def load_pretrained(directory: str | Path, *, name: str | None = None) -> PretrainedModel:
-    """A BERT-family directory as (config, eval-mode encoder, tokenizer file, pooling, max length)."""
+    """A directory of a supported family as (config, eval-mode encoder, tokenizer file, pooling, max length).
+
+    The architecture is checked first (config.json alone), so an unknown one is refused by name
+    before any weights are read."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint directory: no config.json")
     hf = json.loads(config_file.read_text())
+    model_type = hf.get("model_type")
+    config = encoder_config_from_hf(hf, name=name or _default_name(directory))
     tensors, weights_file = read_hf_weights(directory)
-    pooling, max_length = read_sentence_transformers_settings(directory, hf)
+    longest = config.position_limit or config.max_positions
+    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest)
     source = {
-        "format": "hf-bert",
+        "format": "hf-bert" if model_type == "bert" else f"hf-{model_type}",
         "directory": str(directory),
         "model_type": hf.get("model_type"),
         "name_or_path": hf.get("_name_or_path"),
         "architectures": list(hf.get("architectures") or []),
         "weights": weights_file,
     }
-    ours, back, ignored, unused = map_bert_names(tensors)
+    ours, back, ignored, unused = map_bert_names(tensors, model_type)
     source["ignored_tensors"] = ignored
-    config = encoder_config_from_hf(hf, name=name or _default_name(directory), source=source)
+    config = encoder_config_from_hf(hf, name=config.name, source=source)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
-                   name_in_checkpoint=encoder_to_bert_name)
+                          name_in_checkpoint=name_in_checkpoint(model_type))
     tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(
         config=config,

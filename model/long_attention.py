@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from model.masks import build_allowed
+from model.attention_math import kernel_attention, scaled_dot_product
+from model.masks import build_allowed, within_window
 
 
 def _allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step) -> torch.Tensor:
@@ -31,16 +32,18 @@ def sparse_softmax_attention(
     mask_window: torch.Tensor,  # (B,) int64
     mask_step: torch.Tensor,  # (B,) int64: one step for every strided row of the batch
     scale: float,
+    limit: int = -1,  # a local layer of the attention plan: keys at |i - j| <= limit only (-1: none)
 ) -> torch.Tensor:
-    """softmax(Q·Kᵀ·scale)·V over each row's allowed keys; zeros for a query with none."""
-    from model.attention import scaled_dot_product
-
+    """softmax(Q·Kᵀ·scale)·V over each row's allowed keys (within `limit` on a local layer); zeros for
+    a query with none. Rows of every kind are computed (bidirectional and causal ones too)."""
     allowed = _allowed(attention_mask, mask_kind, mask_causal, mask_window, mask_step)
+    if limit >= 0:
+        allowed = allowed & within_window(q.shape[2], limit, q.device)
     return scaled_dot_product(q, k, v, allowed, scale)
 
 
 @sparse_softmax_attention.register_fake
-def _(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step, scale):
+def _(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step, scale, limit=-1):
     return torch.empty_like(v)
 
 
@@ -53,8 +56,6 @@ def linear_attention(
     mask_kind: torch.Tensor,  # (B,) int64: bidirectional or causal
 ) -> torch.Tensor:
     """φ(Q)·Σ φ(K)ᵀV / φ(Q)·Σ φ(K) over each row's allowed keys; zeros for a query with none."""
-    from model.attention import kernel_attention
-
     batch = mask_kind.shape[0]
     flags = torch.zeros(batch, dtype=torch.bool, device=mask_kind.device)
     ones = torch.ones(batch, dtype=torch.int64, device=mask_kind.device)

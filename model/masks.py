@@ -68,3 +68,9 @@ def default_mask_inputs(
         "mask_step": torch.full((batch,), int(step), dtype=torch.int64),
         "custom_mask": custom.to(torch.bool),
     }
+
+
+def within_window(length: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T) bool: |i - j| <= window (a local layer's pattern in the attention plan)."""
+    pos = torch.arange(length, device=device)
+    return (pos[:, None] - pos[None, :]).abs() <= window

@@ -43,12 +43,18 @@ def tiny_variants(tiny_config):
 PARITY_CONFIGS = {
     "default": {},
     "none-prenorm-gelu": dict(scaling="temperature", temperature=1.0, norm_placement="pre", activation="gelu"),
-    "temperature-learned": dict(scaling="temperature", temperature=4.0, positional="learned"),
+    "temperature-learned": dict(scaling="temperature", temperature=4.0, positional="learned",
+                                position_ids="after_padding", pad_token_id=1),  # RoBERTa's position ids
     "cosine-nopos-features": dict(scaling="cosine", temperature=0.1, positional="none", input_kind="features"),
     "length-prenorm-learned": dict(scaling="length", norm_placement="pre", positional="learned"),
     "additive-gelu": dict(attention="additive", activation="gelu"),
     "linear-prenorm": dict(attention="linear", norm_placement="pre"),
     "performer-learned": dict(attention="performer", positional="learned"),
+    # ModernBERT's parts: rotary positions (a θ per layer kind), GeGLU, no biases, layer 0 without its
+    # attention norm, and an attention plan (layer 1 local, window 3).
+    "rotary-gated-plan": dict(positional="rotary", rope_theta=160000.0, ffn="gated", activation="gelu",
+                              norm_placement="pre", linear_bias=False, norm_bias=False, embedding_layer_norm=True,
+                              first_attention_norm=False, local_layers=(1,), local_window=3),
 }
 
 

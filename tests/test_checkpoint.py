@@ -271,9 +271,9 @@ def test_tanh_gelu_bert_config_is_refused():
         encoder_config_from_hf({**TINY, "model_type": "bert", "hidden_act": "gelu_new"}, name="x")
 
 
-def test_non_bert_model_type_is_refused():
-    with pytest.raises(CheckpointError, match="model_type 'roberta'"):
-        encoder_config_from_hf({**TINY, "model_type": "roberta"}, name="x")
+def test_unknown_architecture_is_refused_by_name():
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' \\(architectures: GPT2Model\\) is not supported"):
+        encoder_config_from_hf({**TINY, "model_type": "gpt2", "architectures": ["GPT2Model"]}, name="x")
 
 
 def test_unsupported_sentence_transformers_module_is_refused(tiny_bert, tmp_path):

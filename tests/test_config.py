@@ -18,8 +18,9 @@ def test_heads_must_divide_d_model():
 
 
 @pytest.mark.parametrize("field,value", [("scaling", "cube_root"), ("attention", "flash"),
-                                         ("positional", "rotary"), ("activation", "swish"),
-                                         ("norm_placement", "sandwich")])
+                                         ("positional", "alibi"), ("activation", "swish"),
+                                         ("norm_placement", "sandwich"), ("ffn", "swiglu"),
+                                         ("position_ids", "from_one")])
 def test_unknown_switch_value_names_the_field_and_the_choices(field, value):
     with pytest.raises(ConfigError, match=f"{field}={value!r} is not one of"):
         EncoderConfig(**{field: value})
@@ -28,6 +29,26 @@ def test_unknown_switch_value_names_the_field_and_the_choices(field, value):
 def test_unknown_field_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown config field"):
         EncoderConfig().replace(n_experts=8)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(local_layers=(4,)), "local_layers must be distinct layer indices in 0..3"),
+    (dict(local_layers=(2, 1)), "ascending"),
+    (dict(local_layers=(1,), attention="linear"), "needs attention='softmax'"),
+    (dict(first_attention_norm=False), "needs norm_placement='pre'"),
+    (dict(position_ids="after_padding"), "needs positional='learned'"),
+    (dict(positional="rotary", d_model=12, n_heads=4), "even head_dim"),
+])
+def test_inconsistent_model_parts_are_refused_naming_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        EncoderConfig(**change)
+
+
+def test_attention_plan_survives_the_json_round_trip_as_a_tuple():
+    config = EncoderConfig(local_layers=[1, 2], local_window=64)
+    again = from_json(to_json(config))
+    assert again == config and again.local_layers == (1, 2)
+    assert [config.layer_window(i) for i in range(4)] == [None, 64, 64, None]
 
 
 def test_json_round_trip_gives_an_equal_config():

@@ -217,3 +217,26 @@ def test_linear_configs_serve_bidirectional_and_causal_rows_on_the_linear_path(t
     config = tiny_config.replace(attention="performer")
     assert cheapest(4096, RowMask(MaskKind.CAUSAL), config, (DENSE, LINEAR)) == LINEAR
     assert cheapest(4096, RowMask(MaskKind.SLIDING_WINDOW, 8), config, (DENSE, LINEAR)) == DENSE
+
+
+# --- a model's own attention plan (ModernBERT: global every third layer, local window 64) --------------
+
+def _plan(tiny_config):
+    return tiny_config.replace(n_layers=22, local_layers=tuple(i for i in range(22) if i % 3), local_window=64)
+
+
+def test_with_a_plan_a_long_bidirectional_row_takes_the_sparse_path_and_a_short_one_stays_dense(tiny_config):
+    plan = _plan(tiny_config)
+    assert cheapest(8192, RowMask(MaskKind.BIDIRECTIONAL), plan, (DENSE, SPARSE)) == SPARSE
+    assert cheapest(8192, RowMask(MaskKind.CAUSAL), plan, (DENSE, SPARSE)) == SPARSE
+    assert cheapest(8192, RowMask(MaskKind.CUSTOM), plan, (DENSE, SPARSE)) == DENSE
+    assert cheapest(64, RowMask(MaskKind.BIDIRECTIONAL), plan, (DENSE, SPARSE)) == DENSE
+
+
+def test_a_plan_costs_its_mean_layer_and_needs_the_memory_of_its_largest(tiny_config):
+    plan, row = _plan(tiny_config), RowMask(MaskKind.BIDIRECTIONAL)
+    work = score_elements(SPARSE, 8192, row, plan) / score_elements(DENSE, 8192, row, plan)
+    assert work == pytest.approx(8 / 22, rel=0.1)  # 8 global layers of 22 are dense, 14 local ones ~free
+    # the memory of one layer at its peak: a global layer's full T x T scores
+    assert score_elements(SPARSE, 8192, row, plan, peak=True) >= 8192 ** 2
+    assert score_elements(SPARSE, 8192, RowMask(MaskKind.SLIDING_WINDOW, 16), plan, peak=True) < 8192 * 3 * 64 * 2

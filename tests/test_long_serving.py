@@ -4,6 +4,9 @@ memory budget with RESOURCE_EXHAUSTED while it keeps serving (serve/core/attenti
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -108,3 +111,11 @@ def test_the_path_metric_counts_rows_per_attention_path(server):
     metrics = server.metrics()
     sparse = [line for line in metrics.splitlines() if line.startswith('encoder_attention_path_rows_total{path="sparse"}')]
     assert sparse and float(sparse[0].split()[-1]) >= 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES: Linux only")
+def test_the_server_runs_with_malloc_on_transparent_huge_pages(server):
+    """serve/__main__.py re-execs itself once so glibc's malloc madvises huge pages on its large chunks
+    (the 32k/4k cost step of the long-input graphs); same process id."""
+    environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+    assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ

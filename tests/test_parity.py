@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
 from export.contract import FP32_TOLERANCE, ExportContract
 from export.validate import reference_outputs
-from model.config import ACTIVATIONS, ATTENTION_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITIONALS
+from model.config import ACTIVATIONS, ATTENTION_KINDS, FFN_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITION_IDS, POSITIONALS
 from model.encoder import build_encoder
 from model.mask_kinds import MaskKind
 
@@ -89,8 +89,11 @@ def test_parity_configs_cover_every_value_of_every_switch(loaded):
             ("length", None)} <= scalings
     for field, values in (("norm_placement", NORM_PLACEMENTS), ("positional", POSITIONALS),
                           ("activation", ACTIVATIONS), ("attention", ATTENTION_KINDS),
-                          ("input_kind", INPUT_KINDS)):
+                          ("input_kind", INPUT_KINDS), ("ffn", FFN_KINDS), ("position_ids", POSITION_IDS),
+                          ("linear_bias", (True, False)), ("norm_bias", (True, False)),
+                          ("first_attention_norm", (True, False))):
         assert {getattr(c, field) for c in configs} == set(values), field
+    assert any(c.local_layers for c in configs) and any(not c.local_layers for c in configs)
 
 
 def test_causal_rows_with_left_padding_give_finite_outputs(loaded):

@@ -349,7 +349,10 @@ class Batcher:
         for k, (ticket, i) in enumerate(slots):
             row = ticket.rows[i]
             path = self.budget.path(row)
-            step = row.step if path == SPARSE and MaskKind(row.kind).uses_step else 0
+            kind = MaskKind(row.kind)
+            # bidirectional/causal rows on a plan's sparse graph are step-1 rows on its global layers
+            step = (row.step if kind.uses_step else 1 if kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL) else 0) \
+                if path == SPARSE else 0
             groups.setdefault((path, step), []).append(k)
         order = sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1]))
         return [(key[0], groups[key]) for key in order]

@@ -1,0 +1,70 @@
+"""Hugging Face references built locally at random initialisation (nothing comes from a hub): a
+word-level tokenizer and a ModernBERT embedding model as sentence-transformers saves it. Shared by
+tests/test_hf_families.py and tests/test_modernbert_serving.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+# ModernBERT's own layout (global every third layer, window 128 = |i - j| <= 64, θ 160k / 10k) at a
+# small width; 4 layers: global, local, local, global.
+MODERNBERT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                  local_attention=128, max_position_embeddings=8192)
+WORDS = "the a of and to in is that it for on with as was by this be are long document encoder".split()
+
+
+def redraw(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights at a scale where attention is far from uniform: N(0, 1/fan_in) matrices, norms near 1.
+
+    transformers initialises linears with std 0.02, which makes attention almost uniform and hides
+    position and window mistakes."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+            elif "norm" in name.lower() and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model.eval()
+
+
+def word_tokenizer():
+    """(a word-level tokenizers.Tokenizer with [CLS] ... [SEP] around each text, its vocabulary size)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    return tokenizer, len(vocab)
+
+
+def modernbert_embedding_model(base: Path, directory: Path, max_seq_length: int, seed: int = 2):
+    """A ModernBERT + mean pooling + Normalize SentenceTransformer (as gte-modernbert-base and
+    modernbert-embed-base are built), saved by sentence-transformers into `directory`; returns it."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+    from transformers import ModernBertConfig, ModernBertModel, PreTrainedTokenizerFast
+
+    tokenizer, vocab_size = word_tokenizer()
+    config = ModernBertConfig(**{**MODERNBERT, "vocab_size": vocab_size})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    redraw(ModernBertModel(config), seed=seed).save_pretrained(str(base))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                            unk_token="[UNK]", mask_token="[MASK]").save_pretrained(str(base))
+    transformer = st_models.Transformer(str(base), max_seq_length=max_seq_length,
+                                        model_kwargs={"attn_implementation": "eager"})
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(MODERNBERT["hidden_size"], "mean"),
+                                         st_models.Normalize()], device="cpu")
+    model.save(str(directory))
+    return model
