@@ -38,9 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", action="store_true",
                         help="only the long-input benchmark (bench/long_bench.py), into bench-results/long.json")
     parser.add_argument("--no-long", action="store_true", help="skip the long-input part of a full run")
+    parser.add_argument("--front-end", action="store_true",
+                        help="only the front end's cost per protocol (bench/front_end.py: Encode vs KServe v2, "
+                             "32 clients, default flags), into bench-results/front_end.json")
     args = parser.parse_args(argv)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     long_out = str(Path(args.out).with_name("long.json"))
+    if args.front_end:
+        from bench import front_end
+
+        return front_end.main(["--export-dir", args.export_dir or "exports/default",
+                               "--out", str(Path(args.out).with_name("front_end.json")),
+                               *(["--rounds", "1", "--seconds", "3"] if args.quick else [])])
     if args.long:
         report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say)
         print(report["table"])
