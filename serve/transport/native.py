@@ -47,8 +47,6 @@ def missing_reason() -> str | None:
 
 
 class NativeRpc(Rpc):
-    __slots__ = ("_owner", "_id")
-
     def __init__(self, owner: "NativeTransport", call_id: int, method: str, metadata, remaining) -> None:
         super().__init__(method, metadata, remaining)
         self._owner, self._id = owner, call_id
