@@ -74,7 +74,7 @@ def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float 
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     port_file, log = workdir / "ports.json", workdir / "server.log"
     command = [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
-               "--port", "0", "--metrics-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
+               "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--port-file", str(port_file), "--log-level", "warning",
                *flags]
     with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, ports, deadline):
         port = int(ports["port"])

@@ -25,6 +25,9 @@ class ServerConfig:
     # tools.native_build`), "grpcio" (Python's gRPC server), "auto": native where it is built.
     # Every method, check and message is the same on both.
     transport: str = "auto"
+    # HTTP (serve/transport/http.py): OpenAI's /v1/embeddings and /v1/models, /v2/health/*, on `host`.
+    # 0: the OS chooses (see port_file); -1: off
+    http_port: int = 8000
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
     port_file: str = ""  # when set, the bound ports are written here as JSON once listening
@@ -101,6 +104,8 @@ class ServerConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be -1 (off) or in 0..65535, got {self.http_port}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0:

@@ -101,6 +101,12 @@ class Cancelled(ServeError):
     code = grpc.StatusCode.CANCELLED
 
 
+class NotFound(ServeError):
+    """What the request names (a model, over HTTP) is not served here."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class ModelRefused(ServeError):
     """A model reload was refused (bad export, failed checks); the previous model keeps serving."""
 
@@ -118,3 +124,26 @@ def to_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, ServeError):
         return error.code, bounded(error.message)
     return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(error).__name__}: {error}")
+
+
+# HTTP's status for each gRPC status (the HTTP transport, serve/transport/http.py, answers with it):
+# errors are mapped to gRPC codes above and from there to HTTP here, so both protocols agree.
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+RETRY_AFTER_S = 1  # Retry-After on 429 and 503: overloaded, loading or draining; a retry may succeed
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                      413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return HTTP_STATUS.get(code, 500)

@@ -111,6 +111,7 @@ class ServeProcess:
     metrics_port: int | None
     log_path: Path
     transport: str = ""  # what carries the gRPC bytes (serve/transport/): native or grpcio
+    http_port: int | None = None  # the HTTP transport (serve/transport/http.py)
 
     @property
     def target(self) -> str:
@@ -172,7 +173,7 @@ def serve_start(tmp_path_factory):
                 raise TimeoutError(f"no port file after {timeout}s:\n{log_path.read_text()}")
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("transport", ""))
+        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("transport", ""), ports.get("http_port"))
         started.append(server)
         if wait:
             _wait_serving(server.target, max(1.0, end - time.monotonic()))

@@ -164,7 +164,7 @@ class InProcessServer:
         from serve.assembly.app import create_server
         from serve.config import ServerConfig
 
-        config = ServerConfig(port=0, metrics_port=-1, export_dir=str(export_dir), **fields)
+        config = ServerConfig(port=0, metrics_port=-1, http_port=0, export_dir=str(export_dir), **fields)
         self.server, self.port = create_server(config)
         self.server.start()
         try:

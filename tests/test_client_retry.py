@@ -59,7 +59,7 @@ class ScriptedServer:
             backend.encode, backend.warm_up = encode, warm_up
             return backend
 
-        config = ServerConfig(port=0, metrics_port=-1, export_dir=str(export_dir))
+        config = ServerConfig(port=0, metrics_port=-1, http_port=0, export_dir=str(export_dir))
         self.server, port = create_server(config, backend_factory=scripted)
         self.target = f"127.0.0.1:{port}"
         self.server.start()

@@ -44,7 +44,7 @@ def test_health_is_serving_only_after_warm_up(serve_export_dir):
         backend.warm_up = warm_up
         return backend
 
-    config = ServerConfig(port=0, metrics_port=-1, export_dir=str(serve_export_dir))
+    config = ServerConfig(port=0, metrics_port=-1, http_port=0, export_dir=str(serve_export_dir))
     server, port = create_server(config, backend_factory=slow_backend)
     server.start()
     loader = threading.Thread(target=server.load)
@@ -94,7 +94,7 @@ class GatedServer:
             backend.encode = encode
             return backend
 
-        config = ServerConfig(port=0, metrics_port=-1, export_dir=str(export_dir), **fields)
+        config = ServerConfig(port=0, metrics_port=-1, http_port=0, export_dir=str(export_dir), **fields)
         self.server, port = create_server(config, backend_factory=gated)
         self.target = f"127.0.0.1:{port}"
         self.server.start()

@@ -598,7 +598,7 @@ import serve.__main__
 from serve.assembly.app import create_server
 from client import EncoderClient
 from serve.config import ServerConfig
-server, port = create_server(ServerConfig(port=0, metrics_port=-1, admin=True,
+server, port = create_server(ServerConfig(port=0, metrics_port=-1, http_port=0, admin=True,
                                           export_dir={str(serve_export_dir)!r}))
 server.start(); server.load()
 with EncoderClient(f"127.0.0.1:{{port}}", retries=0) as client:

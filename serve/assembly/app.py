@@ -37,7 +37,9 @@ from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
 from serve.protocols.encoder_v1 import ENCODE, EncoderServicer
 from serve.transport import native
+from serve.protocols.openai import EMBEDDINGS, MODELS, OpenAIService
 from serve.transport.grpcio import GrpcioTransport
+from serve.transport.http import HttpTransport
 from serve.transport.rpc import Registry, Router
 
 log = logging.getLogger("serve.assembly.app")
@@ -85,6 +87,14 @@ class EncoderServer:
         address = f"{config.host}:{config.port}"
         self.transport = self._transport(config, address, registry, hard_limit, tls)
         self.port = self.transport.port
+        self.http: HttpTransport | None = None  # OpenAI embeddings + health over HTTP (serve/transport/http.py)
+        if config.http_port >= 0:
+            openai = OpenAIService(self.admit, self.metrics)
+            routes = {EMBEDDINGS: openai.start_embeddings, MODELS: openai.models}
+            self.http = HttpTransport(config.host, config.http_port, routes, lambda: self.admission.state == "serving",
+                                      auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
+                                      tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
+                                      if config.tls_cert else None)
 
     def _transport(self, config: ServerConfig, address: str, registry: Registry, hard_limit: int, tls):
         """The native transport where it is built (serve/transport/native.py), else grpcio."""
@@ -106,16 +116,19 @@ class EncoderServer:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.transport.start()
+        if self.http is not None:
+            self.http.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
         if self.config.port_file:
             path = Path(self.config.port_file)
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
-                                       "transport": self.transport.name}))
+                                       "transport": self.transport.name,
+                                       "http_port": self.http.port if self.http else None}))
             os.replace(tmp, path)
         logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port,
-                   transport=self.transport.name)
+                   transport=self.transport.name, http_port=self.http.port if self.http else None)
 
     def load(self) -> None:
         """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
@@ -214,6 +227,8 @@ class EncoderServer:
         self.admission.wait_quiet(self.config.drain_quiet_ms / 1e3, end)
         # Nothing we admitted is left running; stop() only closes the listener and the connections.
         self.transport.stop(ABANDON_S)
+        if self.http is not None:
+            self.http.stop(ABANDON_S)
         self.router.stop()
         if engine is not None:
             engine.batcher.stop(0)

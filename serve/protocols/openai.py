@@ -1,0 +1,173 @@
+"""OpenAI's embeddings API (`POST /v1/embeddings`, `GET /v1/models`): JSON <-> the core's request types.
+
+The shape of https://platform.openai.com/docs/api-reference/embeddings, which the `openai` client,
+LangChain's and LlamaIndex's OpenAI embedding classes, infinity, TEI and vLLM speak:
+
+  request   model            the served model's name (another: 404)
+            input            a string, a list of strings (the export's tokenizer: texts), a list of
+                             token ids, or a list of token-id lists
+            encoding_format  "float" (default) | "base64" (little-endian float32, as OpenAI's)
+            dimensions       Matryoshka: keep the first N of d_model values, then re-normalise
+            user             ignored
+   ours:    pooling ("mean" | "first"), normalize (default: the export's), truncate, chunk (texts, as
+            Encode's), mask ({"kind", "window", "step", "causal"}, as Encode's MaskChoice)
+  response  {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+             "usage": {"prompt_tokens", "total_tokens"}} (tokens each input ran with)
+
+Fields this API does not know are ignored, as OpenAI-compatible servers do. Every check of the
+request's content is the core's (serve/core/); errors become OpenAI error objects with the HTTP status
+serve/errors.py maps them to (the transport writes them: serve/transport/http.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Callable
+
+import numpy as np
+
+from model.mask_kinds import MaskKind
+from serve.core.engine import Engine
+from serve.core.metrics import Metrics
+from serve.core.requests import EncodeRequest, MaskChoice
+from serve.errors import NotFound, ValidationError, quote
+from serve.protocols.edge import Call
+
+EMBEDDINGS = "POST /v1/embeddings"
+MODELS = "GET /v1/models"
+
+
+def _field(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+        return value
+    raise ValidationError(f"{name}: expected {what or ' or '.join(k.__name__ for k in kinds)}, got {quote(value)}")
+
+
+def _inputs(value) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+    """`input` as (texts, token-id sequences): exactly one of them is non-empty."""
+    if isinstance(value, str):
+        return (value,), ()
+    if not isinstance(value, list) or not value:
+        raise ValidationError("input: expected a string, a list of strings, a list of token ids or a list of "
+                              f"token-id lists, got {quote(value) if not isinstance(value, list) else 'an empty list'}")
+    if all(isinstance(v, str) for v in value):
+        return tuple(value), ()
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        value = [value]  # one token-id list
+    sequences = []
+    for i, ids in enumerate(value):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValidationError(f"input[{i}]: expected a string or a list of integer token ids, got {quote(ids)}; "
+                                  "one request holds strings or token ids, not both")
+        try:
+            sequences.append(np.asarray(ids, np.int64))
+        except OverflowError:
+            raise ValidationError(f"input[{i}]: a token id does not fit in 64 bits") from None
+    return (), tuple(sequences)
+
+
+def _mask(value) -> MaskChoice:
+    if value is None:
+        return MaskChoice()
+    if not isinstance(value, dict):
+        raise ValidationError(f"mask: expected an object {{\"kind\", \"window\", \"step\", \"causal\"}}, got {quote(value)}")
+    kind = value.get("kind", "bidirectional")
+    try:
+        kind = MaskKind.parse(kind) if isinstance(kind, str) else MaskKind(kind)
+    except (ValueError, TypeError):
+        raise ValidationError(f"mask.kind: unknown value {quote(kind)}; expected one of "
+                              f"{', '.join(k.label for k in MaskKind)}") from None
+    ints = {name: _field(value, name, (int,), default, "an integer") for name, default in (("window", 0), ("step", 1))}
+    causal = _field(value, "causal", (bool,), False, "true or false")
+    return MaskChoice(kind, causal, ints["window"], ints["step"])
+
+
+def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, int | None]:
+    """(our request, the encoding format, dimensions or None); ValidationError naming the field."""
+    export = engine.export
+    model = _field(body, "model", (str,), export.name, "a string")
+    if model != export.name:
+        raise NotFound(f"model {quote(model)} is not served here; this server serves {export.name!r} (GET /v1/models)")
+    if "input" not in body:
+        raise ValidationError("input: missing; send a string, a list of strings or token-id lists")
+    texts, sequences = _inputs(body["input"])
+    encoding = _field(body, "encoding_format", (str,), "float", "\"float\" or \"base64\"")
+    if encoding not in ("float", "base64"):
+        raise ValidationError(f"encoding_format: {quote(encoding)} is not \"float\" or \"base64\"")
+    dimensions = _field(body, "dimensions", (int,), None, "a positive integer")
+    d_model = export.config.d_model
+    if dimensions is not None and not 1 <= dimensions <= d_model:
+        raise ValidationError(f"dimensions: {dimensions} out of range [1, {d_model}] (this model's embeddings "
+                              f"have {d_model})")
+    pooling = _field(body, "pooling", (str,), export.default_pooling if export.default_pooling != "none" else "mean")
+    if pooling not in ("mean", "first"):
+        raise ValidationError(f"pooling: {quote(pooling)} is not \"mean\" or \"first\"")
+    request = EncodeRequest(
+        sequences=sequences, texts=texts, mask=_mask(body.get("mask")), pooling=pooling,
+        normalize=_field(body, "normalize", (bool,), export.default_normalize, "true or false"),
+        truncate=_field(body, "truncate", (bool,), False, "true or false"),
+        chunk=_field(body, "chunk", (bool,), False, "true or false"),
+    )
+    return request, encoding, dimensions
+
+
+def response_json(result, name: str, encoding: str, dimensions: int | None) -> bytes:
+    data = []
+    for i, out in enumerate(result.outputs):
+        vector = np.asarray(out.embedding, np.float32)
+        if dimensions is not None:  # Matryoshka: the first N values, re-normalised
+            vector = vector[:dimensions]
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        value = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
+                 else vector.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = int(sum(result.token_counts))
+    return json.dumps({"object": "list", "data": data, "model": name,
+                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}).encode()
+
+
+class OpenAIService:
+    def __init__(self, engine: Callable[..., Engine], metrics: Metrics | None) -> None:
+        # engine(context): admits the call (serve/core/admission.py), Unavailable unless serving
+        self._engine = engine
+        self._metrics = metrics
+
+    def start_embeddings(self, rpc, body: dict) -> None:
+        """POST /v1/embeddings, started: admitted, checked and queued; answered from its batch."""
+        call = Call(self._metrics, "openai.Embeddings", rpc)
+        try:
+            engine = self._engine(rpc)
+            request, encoding, dimensions = request_from_json(body, engine)
+            ticket = engine.submit(request, rpc.deadline)
+        except Exception as error:
+            call.answer(error)
+            return
+        rpc.add_callback(ticket.cancel)
+
+        def done(ticket) -> None:
+            try:
+                result = engine.result(ticket)
+                if self._metrics is not None:
+                    self._metrics.sequences.inc(len(result.outputs))
+                payload = response_json(result, engine.export.name, encoding, dimensions)
+            except Exception as error:
+                call.answer(error)
+                return
+            call.answer(None, payload)
+
+        ticket.add_done_callback(done)
+
+    def models(self, rpc, body) -> None:
+        """GET /v1/models: the served model, in OpenAI's list shape."""
+        call = Call(self._metrics, "openai.Models", rpc)
+        try:
+            engine = self._engine()
+        except Exception as error:
+            call.answer(error)
+            return
+        created = int(engine.export.metadata.created_unix) if hasattr(engine.export.metadata, "created_unix") else 0
+        call.answer(None, json.dumps({"object": "list", "data": [
+            {"id": engine.export.name, "object": "model", "created": created, "owned_by": "onnx-encoder-service"}
+        ]}).encode())
