@@ -76,6 +76,7 @@ class LbProject:
                     "LB_UPSTREAM": "serve-cpu", "LB_PORT": str(self.lb_port), "LB_STATS_PORT": str(self.stats_port),
                     "SERVE_CPU_GRPC_PORT": _free_range(REPLICAS + 1),
                     "SERVE_CPU_METRICS_PORT": _free_range(REPLICAS + 1),
+                    "SERVE_CPU_HTTP_PORT": _free_range(REPLICAS + 1),
                     "ENCODER_INTRA_OP_THREADS": "1"}  # 3 replicas on 2 cores
         self.volume = f"{self.name}_exports"
 

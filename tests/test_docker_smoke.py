@@ -45,9 +45,10 @@ class Project:
     def __init__(self, compose: str) -> None:
         self.name = f"encsmoke{uuid.uuid4().hex[:8]}"
         self.compose = compose
-        self.grpc_port, self.metrics_port = _free_port(), _free_port()
+        self.grpc_port, self.metrics_port, self.http_port = _free_port(), _free_port(), _free_port()
         self.env = {"COMPOSE_PROJECT_NAME": self.name, "SERVE_BIND": "127.0.0.1",
                     "SERVE_CPU_GRPC_PORT": str(self.grpc_port), "SERVE_CPU_METRICS_PORT": str(self.metrics_port),
+                    "SERVE_CPU_HTTP_PORT": str(self.http_port),
                     "ENCODER_MODEL": "serve-test", "DOCKER_HOST": os.environ.get("DOCKER_HOST", "")}
         self.env = {k: v for k, v in self.env.items() if v}
         self.volume = f"{self.name}_exports"
@@ -158,6 +159,15 @@ def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export
     result = client.infer("serve-test", inputs)
     np.testing.assert_allclose(result.as_numpy("embeddings")[0], pooled, atol=REF_ATOL, rtol=0)
     client.close()
+    # ... and OpenAI's embeddings over HTTP, published on the HTTP port
+    import json
+
+    body = json.dumps({"model": "serve-test", "input": [ids.tolist()]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{project.http_port}/v1/embeddings", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        embedding = json.loads(response.read())["data"][0]["embedding"]
+    np.testing.assert_allclose(np.array(embedding, np.float32), pooled, atol=REF_ATOL, rtol=0)
     # both answered on the native transport (built into the image), not the grpcio fallback
     logs = project.run("--profile", "cpu", "logs", "--no-color", "serve-cpu").stdout
     assert "transport=native" in logs, logs[-2000:]
