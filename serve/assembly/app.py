@@ -37,6 +37,7 @@ from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
 from serve.protocols.encoder_v1 import ENCODE, EncoderServicer
 from serve.transport import native
+from serve.protocols.kserve_rest import KServeRest
 from serve.protocols.openai import EMBEDDINGS, MODELS, OpenAIService
 from serve.transport.grpcio import GrpcioTransport
 from serve.transport.http import HttpTransport
@@ -73,7 +74,7 @@ class EncoderServer:
         pb_grpc.add_EncoderServiceServicer_to_server(encoder, registry)
         registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
         # KServe v2 / Open Inference Protocol on the same engine (serve/protocols/kserve_v2.py, docs/deployment.md)
-        kserve.add_kserve_to_server(self.admit, self.metrics, registry)
+        v2 = kserve.add_kserve_to_server(self.admit, self.metrics, registry)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if config.admin:  # ReloadModel (serve/protocols/admin.py); SIGHUP reloads without it
@@ -94,7 +95,7 @@ class EncoderServer:
             self.http = HttpTransport(config.host, config.http_port, routes, lambda: self.admission.state == "serving",
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
-                                      if config.tls_cert else None)
+                                      if config.tls_cert else None, v2=KServeRest(v2, self.admission.engine))
 
     def _transport(self, config: ServerConfig, address: str, registry: Registry, hard_limit: int, tls):
         """The native transport where it is built (serve/transport/native.py), else grpcio."""

@@ -348,6 +348,24 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
     return response
 
 
+def model_metadata(engine: Engine):
+    """The ModelMetadataResponse for the served export (gRPC ModelMetadata; REST GET /v2/models/{name})."""
+    config = engine.export.config
+    T = M["ModelMetadataResponse"].TensorMetadata
+    if config.input_kind == "tokens":
+        first = T(name="input_ids", datatype="INT64", shape=[-1, -1])
+    else:
+        first = T(name="inputs_embeds", datatype="FP32", shape=[-1, -1, config.d_model])
+    texts = [T(name="texts", datatype="BYTES", shape=[-1])] if engine.export.has_tokenizer else []
+    return M["ModelMetadataResponse"](
+        name=engine.export.name, versions=[MODEL_VERSION], platform=PLATFORM,
+        inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
+                T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
+        outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
+                 T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
+    )
+
+
 # -- the servicer -------------------------------------------------------------------------------
 
 class KServeServicer:
@@ -395,21 +413,7 @@ class KServeServicer:
 
     def ModelMetadata(self, request, context):
         with Call(self._metrics, "v2.ModelMetadata", context):
-            engine = self._model(request.name, request.version, context)
-            config = engine.export.config
-            T = M["ModelMetadataResponse"].TensorMetadata
-            if config.input_kind == "tokens":
-                first = T(name="input_ids", datatype="INT64", shape=[-1, -1])
-            else:
-                first = T(name="inputs_embeds", datatype="FP32", shape=[-1, -1, config.d_model])
-            texts = [T(name="texts", datatype="BYTES", shape=[-1])] if engine.export.has_tokenizer else []
-            return M["ModelMetadataResponse"](
-                name=engine.export.name, versions=[MODEL_VERSION], platform=PLATFORM,
-                inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
-                        T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
-                outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
-                         T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
-            )
+            return model_metadata(self._model(request.name, request.version, context))
 
     def start_infer(self, rpc, request) -> None:
         """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered
@@ -439,8 +443,9 @@ class KServeServicer:
         ticket.add_done_callback(done)
 
 
-def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> None:
-    """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry)."""
+def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> "KServeServicer":
+    """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry); returns the servicer
+    (KServe v2 REST, serve/protocols/kserve_rest.py, calls it too)."""
     servicer = KServeServicer(engine, metrics)
     handlers = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
@@ -451,3 +456,4 @@ def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None,
         )
     server.add_registered_method_handlers(SERVICE, handlers)
     server.add_started(f"/{SERVICE}/ModelInfer", servicer.start_infer, M["ModelInferRequest"].FromString)
+    return servicer

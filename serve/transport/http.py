@@ -3,7 +3,7 @@
 
 Why uvicorn and a bare ASGI app: uvicorn is the maintained ASGI server the Python HTTP serving world
 runs on (FastAPI's, infinity's), with h11 or httptools parsing the bytes; the app below only routes
-five paths, so a web framework would add a layer per request and nothing we use.
+a handful of paths, so a web framework would add a layer per request and nothing we use.
 
 Each request becomes an `Rpc` (serve/transport/rpc.py) that the same adapters and core answer as on
 gRPC: the bearer token (`TokenCheck`, health exempt), admission and drain (503 + Retry-After),
@@ -24,7 +24,7 @@ from typing import Callable
 import grpc
 
 from serve import logs
-from serve.errors import OPENAI_ERROR_TYPES, RETRY_AFTER_S, http_status
+from serve.errors import OPENAI_ERROR_TYPES, RETRY_AFTER_S, ServeError, http_status, to_status
 from serve.transport import security
 from serve.transport.rpc import Rpc
 
@@ -40,6 +40,10 @@ class HttpRpc(Rpc):
         super().__init__(method, headers, None)
         self._loop = loop
         self.future = loop.create_future()
+        self.kserve = False  # errors as KServe v2 REST's {"error": "..."}, not OpenAI's object
+        # payload -> (body, extra headers, content type): a route whose adapter answers in another form
+        # (KServe v2 REST: the gRPC adapter's protobuf answer, rendered as REST)
+        self.render: Callable[[bytes], tuple[bytes, list, bytes]] | None = None
 
     def _send(self, payload: bytes) -> None:
         raise NotImplementedError("HTTP answers once")
@@ -52,8 +56,10 @@ class HttpRpc(Rpc):
             self.future.set_result(outcome)
 
 
-def error_body(status: int, message: str) -> bytes:
-    """OpenAI's error object (what its clients raise from)."""
+def error_body(status: int, message: str, kserve: bool = False) -> bytes:
+    """OpenAI's error object (what its clients raise from), or KServe v2 REST's {"error": message}."""
+    if kserve:
+        return json.dumps({"error": message}).encode()
     return json.dumps({"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
                                  "param": None, "code": status}}).encode()
 
@@ -62,10 +68,12 @@ class HttpTransport:
     name = "http"
 
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool], *,
-                 auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None) -> None:
+                 auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None,
+                 v2=None) -> None:
         import uvicorn
 
         self._routes, self._ready, self._max = routes, ready, max_body_bytes
+        self._v2 = v2  # KServe v2 REST (serve/protocols/kserve_rest.py): every /v2/... path but health
         self._token = security.TokenCheck(auth_token) if auth_token else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -109,50 +117,67 @@ class HttpTransport:
             await self._reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
             return
         if self._token is not None and not self._token.allowed(method, headers):
-            await self._reply(send, 401, error_body(401, security.DENIED))
+            await self._reply(send, 401, error_body(401, security.DENIED, scope["path"].startswith("/v2")))
             return
+        import asyncio
+
+        rpc = HttpRpc(asyncio.get_running_loop(), method, headers)
+        v2 = self._v2 is not None and (scope["path"] == "/v2" or scope["path"].startswith("/v2/"))
         route = self._routes.get(method)
-        if route is None:
+        if route is None and not v2:
             known = any(name.split(" ", 1)[1] == scope["path"] for name in self._routes)
             status = 405 if known else 404
             await self._reply(send, status, error_body(status, f"{method}: no such endpoint"
                                                        if not known else f"{method}: method not allowed"))
             return
+        rpc.kserve = v2
         body = None
         if scope["method"] == "POST":
-            raw = await self._read(scope, receive, headers, send)
-            if raw is None:
+            body = await self._read(scope, receive, headers, send, v2)
+            if body is None:
                 return
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as error:
-                await self._reply(send, 400, error_body(400, f"request body: not valid JSON ({error})"))
-                return
-            if not isinstance(body, dict):
-                await self._reply(send, 400, error_body(400, "request body: expected a JSON object"))
-                return
-        import asyncio
-
-        rpc = HttpRpc(asyncio.get_running_loop(), method, headers)
+            if not v2:
+                try:
+                    body = json.loads(body)
+                except (ValueError, UnicodeDecodeError) as error:
+                    await self._reply(send, 400, error_body(400, f"request body: not valid JSON ({error})"))
+                    return
+                if not isinstance(body, dict):
+                    await self._reply(send, 400, error_body(400, "request body: expected a JSON object"))
+                    return
         try:
-            route(rpc, body)
-        except Exception as error:  # a route raising is a bug: INTERNAL, never a trace to the client
+            if v2:
+                self._v2.route(rpc, scope["method"], scope["path"], body or b"", headers)
+            else:
+                route(rpc, body)
+        except ServeError as error:  # refused before it reached an adapter's edge (KServe REST's parsing)
+            rpc.fail(*to_status(error))
+        except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
             logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
             rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
         code, message, payload = await rpc.future
         status = http_status(code)
         if status == 200:
-            await self._reply(send, 200, payload)
+            extra, content_type = [], b"application/json"
+            if rpc.render is not None:
+                try:
+                    payload, extra, content_type = rpc.render(payload)
+                except Exception as error:
+                    logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
+                    await self._reply(send, 500, error_body(500, "internal error: the answer could not be "
+                                                                 "rendered", v2))
+                    return
+            await self._reply(send, 200, payload, extra, content_type)
         else:
             retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status in (429, 503) else []
-            await self._reply(send, status, error_body(status, message), retry)
+            await self._reply(send, status, error_body(status, message, v2), retry)
 
-    async def _read(self, scope, receive, headers, send) -> bytes | None:
+    async def _read(self, scope, receive, headers, send, kserve: bool = False) -> bytes | None:
         """The request body, or None after answering 413 (declared or grown past the limit)."""
         declared = next((v for k, v in headers if k == "content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self._max:
             await self._reply(send, 413, error_body(413, f"request body: {declared} bytes exceed "
-                                                         f"max_request_bytes={self._max}"))
+                                                         f"max_request_bytes={self._max}", kserve))
             return None
         chunks, size = [], 0
         while True:
@@ -162,15 +187,17 @@ class HttpTransport:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self._max:
-                await self._reply(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}"))
+                await self._reply(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}",
+                                                        kserve))
                 return None
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks)
 
     @staticmethod
-    async def _reply(send, status: int, body: bytes, extra: list | None = None) -> None:
+    async def _reply(send, status: int, body: bytes, extra: list | None = None,
+                     content_type: bytes = b"application/json") -> None:
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
+                    "headers": [(b"content-type", content_type),
                                 (b"content-length", str(len(body)).encode()), *(extra or [])]})
         await send({"type": "http.response.body", "body": body})

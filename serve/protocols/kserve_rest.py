@@ -1,0 +1,254 @@
+"""KServe v2 REST (Open Inference Protocol over HTTP, as tritonclient.http speaks it) <-> the v2
+protobuf messages of serve/protocols/kserve_v2.py, whose conversion (`request_from_v2`, `response_to_v2`,
+`model_metadata`) then runs unchanged: the same checks and the same messages as gRPC ModelInfer.
+
+JSON tensors go into the typed `contents`; tensors in the binary tensor extension (the body is
+`Inference-Header-Content-Length` bytes of JSON, then each input's `binary_data_size` bytes in input
+order) go into `raw_input_contents` when every input is binary (the common tritonclient case), else into
+the typed contents too. Outputs come back as JSON lists, or binary when asked
+(`parameters.binary_data` per output, or `binary_data_output` for all).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from serve.errors import NotFound, ValidationError, clip, quote
+from serve.protocols import kserve_v2 as kserve
+
+M = kserve.M
+HEADER = b"inference-header-content-length"
+
+
+def _model(engine, name: str, version: str) -> None:
+    if name != engine.export.name:
+        raise NotFound(f"model {quote(name)} is not served here; this server serves {engine.export.name!r}")
+    if version not in ("", kserve.MODEL_VERSION):
+        raise NotFound(f"model {quote(name)} has version {kserve.MODEL_VERSION!r} only, not {quote(version)}")
+
+
+def metadata_json(engine, name: str, version: str) -> dict:
+    _model(engine, name, version)
+    meta = kserve.model_metadata(engine)
+    tensor = lambda t: {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}  # noqa: E731
+    return {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform,
+            "inputs": [tensor(t) for t in meta.inputs], "outputs": [tensor(t) for t in meta.outputs]}
+
+
+def _set_param(target, key: str, value, where: str) -> None:
+    if isinstance(value, bool):
+        target[key].bool_param = value
+    elif isinstance(value, int):
+        target[key].int64_param = value
+    elif isinstance(value, float):
+        target[key].double_param = value
+    elif isinstance(value, str):
+        target[key].string_param = value
+    else:
+        raise ValidationError(f"{where}[{clip(key)}]: {quote(value)} must be a boolean, number or string")
+
+
+def _flat(data, name: str) -> list:
+    """A JSON tensor's data (flat or nested lists) as one flat list."""
+    if not isinstance(data, list):
+        return [data]
+    out: list = []
+    stack = [data]
+    while stack:  # iterative: a deeply nested body cannot exhaust the stack
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _typed(tensor, values: list, name: str) -> None:
+    """JSON values into the typed contents field of the tensor's datatype (type errors name the input)."""
+    datatype = tensor.datatype
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in values):
+            raise ValidationError(f"{name}.data: BYTES values must be strings")
+        tensor.contents.bytes_contents.extend(v.encode("utf-8") for v in values)
+        return
+    field = kserve.CONTENTS_FIELD.get(datatype)
+    if field is None:  # kserve.tensor_to_numpy names the datatypes it supports
+        return
+    ok = {"BOOL": lambda v: isinstance(v, bool), "FP32": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    check = ok.get(datatype, lambda v: isinstance(v, int) and not isinstance(v, bool))
+    if not all(check(v) for v in values):
+        raise ValidationError(f"{name}.data: values must be {datatype} ({'true/false' if datatype == 'BOOL' else 'numbers'})")
+    try:
+        getattr(tensor.contents, field).extend(values)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise ValidationError(f"{name}.data: {error}") from None
+
+
+def _from_raw(tensor, raw: bytes, name: str) -> list:
+    if tensor.datatype == "BYTES":
+        return [t for t in kserve.texts_from_v2(tensor, raw)]
+    dtype = kserve.DATATYPES.get(tensor.datatype)
+    if dtype is None:
+        raise ValidationError(f"{name}.datatype: {quote(tensor.datatype)} is not supported; use "
+                              f"{', '.join(kserve.DATATYPES)}")
+    if len(raw) % dtype.itemsize:
+        raise ValidationError(f"{name} binary data: {len(raw)} bytes is not a whole number of {tensor.datatype}")
+    return np.frombuffer(raw, dtype).tolist()
+
+
+def infer_request(body: bytes, header_length: int | None, name: str, version: str):
+    """(ModelInferRequest, binary outputs wanted: set of names or True for all) from a REST body."""
+    if header_length is not None:
+        if not 0 <= header_length <= len(body):
+            raise ValidationError(f"Inference-Header-Content-Length: {header_length} is outside the body "
+                                  f"({len(body)} bytes)")
+        text, binary = body[:header_length], body[header_length:]
+    else:
+        text, binary = body, b""
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValidationError(f"request body: not valid JSON ({error})") from None
+    if not isinstance(doc, dict):
+        raise ValidationError("request body: must be a JSON object")
+    msg = M["ModelInferRequest"](model_name=name, model_version=version)
+    if not isinstance(doc.get("id", ""), str):
+        raise ValidationError("id: must be a string")
+    msg.id = doc.get("id", "")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ValidationError("parameters: must be an object")
+    binary_all = bool(params.get("binary_data_output", False))
+    for key, value in params.items():
+        if key != "binary_data_output":
+            _set_param(msg.parameters, key, value, "parameters")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ValidationError("inputs: required, a non-empty list of tensors")
+    parsed, offset = [], 0
+    for i, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise ValidationError(f"inputs[{i}]: must be an object with name, shape, datatype, data")
+        tname = item.get("name")
+        if not isinstance(tname, str):
+            raise ValidationError(f"inputs[{i}].name: required, a string")
+        shape, datatype = item.get("shape"), item.get("datatype")
+        label = f"inputs[{clip(tname)}]"
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise ValidationError(f"{label}.shape: required, a list of integers")
+        if not isinstance(datatype, str):
+            raise ValidationError(f"{label}.datatype: required, a string")
+        tensor = msg.inputs.add(name=tname, datatype=datatype)
+        try:
+            tensor.shape.extend(shape)
+        except ValueError as error:
+            raise ValidationError(f"{label}.shape: {error}") from None
+        tparams = item.get("parameters") or {}
+        size = tparams.get("binary_data_size") if isinstance(tparams, dict) else None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise ValidationError(f"{label}.parameters.binary_data_size: {quote(size)} bytes, but "
+                                      f"{len(binary) - offset} binary bytes remain")
+            parsed.append((tensor, binary[offset:offset + size], label))
+            offset += size
+        elif "data" in item:
+            parsed.append((tensor, item["data"], label))
+        else:
+            raise ValidationError(f"{label}: no data (send `data`, or binary data with binary_data_size)")
+    if offset != len(binary):
+        raise ValidationError(f"binary data: {len(binary) - offset} bytes past the inputs' binary_data_size")
+    if all(isinstance(data, bytes) for _, data, _ in parsed):
+        msg.raw_input_contents.extend(data for _, data, _ in parsed)
+    else:
+        for tensor, data, label in parsed:
+            _typed(tensor, _from_raw(tensor, data, label) if isinstance(data, bytes) else _flat(data, label), label)
+    binary_outputs: set[str] | bool = True if binary_all else set()
+    outputs = doc.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise ValidationError("outputs: must be a list")
+    for j, out in enumerate(outputs):
+        if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+            raise ValidationError(f"outputs[{j}]: must be an object with a name")
+        msg.outputs.add(name=out["name"])
+        oparams = out.get("parameters") or {}
+        if isinstance(oparams, dict) and oparams.get("binary_data") and binary_outputs is not True:
+            binary_outputs.add(out["name"])
+    return msg, binary_outputs
+
+
+def infer_response(response, binary_outputs) -> tuple[bytes, int | None]:
+    """(body, JSON header length when binary outputs follow) from a ModelInferResponse."""
+    outputs, tail = [], []
+    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+        entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if binary_outputs is True or tensor.name in binary_outputs:
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            tail.append(raw)
+        else:
+            entry["data"] = np.frombuffer(raw, "<f4").tolist()
+        outputs.append(entry)
+    params = {}
+    for key, value in response.parameters.items():
+        params[key] = getattr(value, value.WhichOneof("parameter_choice"))
+    doc = {"model_name": response.model_name, "model_version": response.model_version, "id": response.id,
+           "parameters": params, "outputs": outputs}
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not tail:
+        return header, None
+    return header + b"".join(tail), len(header)
+
+
+class KServeRest:
+    """The v2 REST routes (serve/transport/http.py hands it every /v2/... path but health):
+    GET /v2, GET /v2/models/{name}[/versions/{v}], GET .../ready, POST .../infer. Inference goes
+    through the gRPC adapter's started ModelInfer (the same admission, checks, batching and metrics);
+    only the body's form changes here."""
+
+    def __init__(self, servicer: "kserve.KServeServicer", engine) -> None:
+        self._servicer = servicer
+        self._engine = engine  # admission's engine(): Unavailable unless serving
+
+    def route(self, rpc, method: str, path: str, body: bytes, headers) -> None:
+        from serve.protocols.edge import Call
+
+        parts = path.strip("/").split("/")
+        if parts == ["v2"] and method == "GET":
+            meta = self._servicer.ServerMetadata(None, rpc)
+            rpc.reply(json.dumps({"name": meta.name, "version": meta.version,
+                                  "extensions": list(meta.extensions)}).encode())
+            return
+        if len(parts) < 3 or parts[1] != "models":
+            raise NotFound(f"{method} {path}: no such endpoint")
+        name, rest = parts[2], parts[3:]
+        version = ""
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            version, rest = rest[1], rest[2:]
+        if method == "GET" and not rest:
+            call = Call(None, "v2.ModelMetadata", rpc)
+            try:
+                payload = json.dumps(metadata_json(self._engine(), name, version)).encode()
+            except Exception as error:
+                call.answer(error)
+                return
+            call.answer(None, payload)
+        elif method == "GET" and rest == ["ready"]:
+            engine = self._engine()
+            _model(engine, name, version)
+            rpc.reply(json.dumps({"name": name, "ready": True}).encode())
+        elif method == "POST" and rest == ["infer"]:
+            length = next((v for k, v in headers if k == HEADER.decode()), None)
+            if length is not None and not length.isdigit():
+                raise ValidationError(f"Inference-Header-Content-Length: {quote(length)} is not a byte count")
+            request, binary = infer_request(body, int(length) if length is not None else None, name, version)
+
+            def render(payload: bytes):
+                out, header_length = infer_response(kserve.M["ModelInferResponse"].FromString(payload), binary)
+                extra = [] if header_length is None else [(HEADER, str(header_length).encode())]
+                return out, extra, b"application/json" if header_length is None else b"application/octet-stream"
+
+            rpc.render = render
+            self._servicer.start_infer(rpc, request)
+        else:
+            raise NotFound(f"{method} {path}: no such endpoint")
