@@ -195,3 +195,31 @@ def test_overload_is_429_with_retry_after(serve_export_dir):
     finally:
         gated.release.set()
         gated.server.shutdown(5)
+
+
+def test_http_calls_are_counted_in_metrics(token_server):
+    oai(token_server).embeddings.create(model=model_name(token_server), input=[[1, 2]])
+    assert 'encoder_requests_total{code="OK",method="openai.Embeddings"}' in token_server.metrics()
+
+
+def test_a_call_during_a_drain_is_503_with_retry_after(serve_start, serve_export_dir):
+    import signal
+
+    from tests.reliability_common import wait_until
+
+    server = serve_start(serve_export_dir, "--drain-quiet-ms", "20000", "--grace-s", "30")
+    ready = f"http://127.0.0.1:{server.http_port}/v2/health/ready"
+
+    def not_ready() -> bool:  # readiness turns 503 when the drain starts (what a load balancer watches)
+        try:
+            urllib.request.urlopen(ready, timeout=10).close()
+            return False
+        except urllib.error.HTTPError as error:
+            return error.code == 503
+
+    server.proc.send_signal(signal.SIGTERM)
+    assert wait_until(not_ready, 30)
+    status, headers, answer = post(server, "/v1/embeddings", json.dumps({"input": [[1, 2, 3]]}).encode())
+    assert status == 503 and headers.get("retry-after") == "1"
+    assert "shutting down" in answer["error"]["message"]
+    server.proc.kill()
