@@ -72,3 +72,30 @@ class Call:
         if error is not None and not isinstance(error, ServeError):
             logs.event(log, "unexpected_error", logging.ERROR, method=self.method, error=message)
         return code, message
+
+
+def start_call(metrics: Metrics | None, method: str, rpc, submit, render) -> None:
+    """A started call (serve/transport/rpc.py): `submit()` admits, checks and queues it, returning
+    (engine, ticket), here on the transport's thread; once its batch has run, on the batcher's
+    thread, `render(engine, result, call)` makes the answer's bytes. Errors of either step are
+    answered with their status; a call that ends unanswered (cancelled) takes its ticket off the queue."""
+    call = Call(metrics, method, rpc)
+    try:
+        engine, ticket = submit()
+    except Exception as error:
+        call.answer(error)
+        return
+    rpc.add_callback(ticket.cancel)
+
+    def done(ticket) -> None:
+        try:
+            result = engine.result(ticket)
+            if metrics is not None:
+                metrics.sequences.inc(len(result.outputs))
+            payload = render(engine, result, call)
+        except Exception as error:
+            call.answer(error)
+            return
+        call.answer(None, payload)
+
+    ticket.add_done_callback(done)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from model.mask_kinds import MaskKind
 from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
-from serve.protocols.edge import Call, deadline_of
+from serve.protocols.edge import Call, deadline_of, start_call
 from serve.core.engine import Engine
 from serve.errors import Unavailable, ValidationError, to_status
 from serve.core.metrics import Metrics
@@ -106,26 +106,12 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def start_encode(self, rpc, request) -> None:
         """Encode, started (serve/transport/rpc.py): admitted, checked and queued here; answered from
         the batcher's thread once its batch has run. No thread waits for it."""
-        call = Call(self._metrics, "Encode", rpc)
-        try:
+        def submit():
             engine = self._engine(rpc)
-            ticket = engine.submit(request_from_proto(request, engine, self._max_bytes), rpc.deadline)
-        except Exception as error:
-            call.answer(error)
-            return
-        rpc.add_callback(ticket.cancel)  # a call that ends unanswered (cancelled) leaves the queue
+            return engine, engine.submit(request_from_proto(request, engine, self._max_bytes), rpc.deadline)
 
-        def done(ticket) -> None:
-            try:
-                result = engine.result(ticket)
-                self._metrics.sequences.inc(len(result.outputs))
-                payload = response_to_proto(result, engine, call.received).SerializeToString()
-            except Exception as error:
-                call.answer(error)
-                return
-            call.answer(None, payload)
-
-        ticket.add_done_callback(done)
+        start_call(self._metrics, "Encode", rpc, submit,
+                   lambda engine, result, call: response_to_proto(result, engine, call.received).SerializeToString())
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         with Call(self._metrics, "EncodeStream", context):

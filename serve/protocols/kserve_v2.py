@@ -41,7 +41,7 @@ from google.protobuf import descriptor_pool, message_factory
 
 from model.mask_kinds import MaskKind
 from serve.core.requests import POOLINGS, EncodeRequest, EncodeResult, MaskChoice
-from serve.protocols.edge import Call
+from serve.protocols.edge import Call, start_call
 from serve.core.engine import Engine
 from serve.errors import ServeError, ValidationError, clip, quote
 from serve.core.metrics import Metrics
@@ -418,29 +418,16 @@ class KServeServicer:
     def start_infer(self, rpc, request) -> None:
         """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered
         from the batcher's thread once its batch has run."""
-        call = Call(self._metrics, "v2.ModelInfer", rpc)
-        try:
+        asked = {}  # the outputs and padded length the answer takes (request_from_v2)
+
+        def submit():
             engine = self._model(request.model_name, request.model_version, rpc)
-            ours, requested, length = request_from_v2(request, engine)
-            ticket = engine.submit(ours, rpc.deadline)
-        except Exception as error:
-            call.answer(error)
-            return
-        rpc.add_callback(ticket.cancel)
+            ours, asked["outputs"], asked["length"] = request_from_v2(request, engine)
+            return engine, engine.submit(ours, rpc.deadline)
 
-        def done(ticket) -> None:
-            try:
-                result = engine.result(ticket)
-                if self._metrics is not None:
-                    self._metrics.sequences.inc(len(result.outputs))
-                payload = response_to_v2(result, requested, length, engine.export.name,
-                                         request.id).SerializeToString()
-            except Exception as error:
-                call.answer(error)
-                return
-            call.answer(None, payload)
-
-        ticket.add_done_callback(done)
+        start_call(self._metrics, "v2.ModelInfer", rpc, submit,
+                   lambda engine, result, call: response_to_v2(result, asked["outputs"], asked["length"],
+                                                              engine.export.name, request.id).SerializeToString())
 
 
 def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> "KServeServicer":

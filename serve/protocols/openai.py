@@ -32,7 +32,7 @@ from serve.core.engine import Engine
 from serve.core.metrics import Metrics
 from serve.core.requests import EncodeRequest, MaskChoice
 from serve.errors import NotFound, ValidationError, quote
-from serve.protocols.edge import Call
+from serve.protocols.edge import Call, start_call
 
 EMBEDDINGS = "POST /v1/embeddings"
 MODELS = "GET /v1/models"
@@ -136,28 +136,16 @@ class OpenAIService:
 
     def start_embeddings(self, rpc, body: dict) -> None:
         """POST /v1/embeddings, started: admitted, checked and queued; answered from its batch."""
-        call = Call(self._metrics, "openai.Embeddings", rpc)
-        try:
+        asked = {}  # the encoding and dimensions the answer takes
+
+        def submit():
             engine = self._engine(rpc)
-            request, encoding, dimensions = request_from_json(body, engine)
-            ticket = engine.submit(request, rpc.deadline)
-        except Exception as error:
-            call.answer(error)
-            return
-        rpc.add_callback(ticket.cancel)
+            request, asked["encoding"], asked["dimensions"] = request_from_json(body, engine)
+            return engine, engine.submit(request, rpc.deadline)
 
-        def done(ticket) -> None:
-            try:
-                result = engine.result(ticket)
-                if self._metrics is not None:
-                    self._metrics.sequences.inc(len(result.outputs))
-                payload = response_json(result, engine.export.name, encoding, dimensions)
-            except Exception as error:
-                call.answer(error)
-                return
-            call.answer(None, payload)
-
-        ticket.add_done_callback(done)
+        start_call(self._metrics, "openai.Embeddings", rpc, submit,
+                   lambda engine, result, call: response_json(result, engine.export.name, asked["encoding"],
+                                                              asked["dimensions"]))
 
     def models(self, rpc, body) -> None:
         """GET /v1/models: the served model, in OpenAI's list shape."""
