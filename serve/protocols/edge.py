@@ -12,13 +12,14 @@ error that is not a ServeError is a bug: logged, and answered INTERNAL with its 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 import grpc
 
 from serve import logs
-from serve.errors import ServeError, to_status
+from serve.errors import ServeError, ValidationError, to_status
 from serve.core.metrics import Metrics
 
 log = logging.getLogger("serve.protocols.edge")
@@ -72,6 +73,17 @@ class Call:
         if error is not None and not isinstance(error, ServeError):
             logs.event(log, "unexpected_error", logging.ERROR, method=self.method, error=message)
         return code, message
+
+
+def json_object(body: bytes) -> dict:
+    """A request body that must be a JSON object (every HTTP protocol's); ValidationError otherwise."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValidationError(f"request body: not valid JSON ({error})") from None
+    if not isinstance(doc, dict):
+        raise ValidationError("request body: expected a JSON object")
+    return doc
 
 
 def start_call(metrics: Metrics | None, method: str, rpc, submit, render) -> None:

@@ -17,16 +17,14 @@ import numpy as np
 
 from serve.errors import NotFound, ValidationError, clip, quote
 from serve.protocols import kserve_v2 as kserve
+from serve.protocols.edge import json_object
 
 M = kserve.M
 HEADER = b"inference-header-content-length"
 
 
 def _model(engine, name: str, version: str) -> None:
-    if name != engine.export.name:
-        raise NotFound(f"model {quote(name)} is not served here; this server serves {engine.export.name!r}")
-    if version not in ("", kserve.MODEL_VERSION):
-        raise NotFound(f"model {quote(name)} has version {kserve.MODEL_VERSION!r} only, not {quote(version)}")
+    kserve.check_model(engine, name, version, NotFound)
 
 
 def metadata_json(engine, name: str, version: str) -> dict:
@@ -107,12 +105,7 @@ def infer_request(body: bytes, header_length: int | None, name: str, version: st
         text, binary = body[:header_length], body[header_length:]
     else:
         text, binary = body, b""
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValidationError(f"request body: not valid JSON ({error})") from None
-    if not isinstance(doc, dict):
-        raise ValidationError("request body: must be a JSON object")
+    doc = json_object(text)
     msg = M["ModelInferRequest"](model_name=name, model_version=version)
     if not isinstance(doc.get("id", ""), str):
         raise ValidationError("id: must be a string")

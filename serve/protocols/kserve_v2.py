@@ -348,6 +348,15 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
     return response
 
 
+def check_model(engine: Engine, name: str, version: str, error: type = ValidationError) -> None:
+    """Refuses a model name or version this server does not serve (`error`: INVALID_ARGUMENT on gRPC, as
+    Triton answers; REST passes NotFound: 404)."""
+    if name != engine.export.name:
+        raise error(f"model {quote(name)} is not served here; this server serves {engine.export.name!r}")
+    if version not in ("", MODEL_VERSION):
+        raise error(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
+
+
 def model_metadata(engine: Engine):
     """The ModelMetadataResponse for the served export (gRPC ModelMetadata; REST GET /v2/models/{name})."""
     config = engine.export.config
@@ -383,11 +392,7 @@ class KServeServicer:
 
     def _model(self, name: str, version: str, context: grpc.ServicerContext) -> Engine:
         engine = self._engine(context)
-        if name != engine.export.name:
-            raise ValidationError(f"model {quote(name)} is not served here; this server serves "
-                                  f"{engine.export.name!r}")
-        if version not in ("", MODEL_VERSION):
-            raise ValidationError(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
+        check_model(engine, name, version)
         return engine
 
     def ServerLive(self, request, context):

@@ -25,6 +25,7 @@ import grpc
 
 from serve import logs
 from serve.errors import OPENAI_ERROR_TYPES, RETRY_AFTER_S, ServeError, http_status, to_status
+from serve.protocols.edge import json_object
 from serve.transport import security
 from serve.transport.rpc import Rpc
 
@@ -138,12 +139,9 @@ class HttpTransport:
                 return
             if not v2:
                 try:
-                    body = json.loads(body)
-                except (ValueError, UnicodeDecodeError) as error:
-                    await self._reply(send, 400, error_body(400, f"request body: not valid JSON ({error})"))
-                    return
-                if not isinstance(body, dict):
-                    await self._reply(send, 400, error_body(400, "request body: expected a JSON object"))
+                    body = json_object(body)
+                except ServeError as error:
+                    await self._reply(send, 400, error_body(400, error.message))
                     return
         try:
             if v2:
