@@ -28,6 +28,15 @@ class ServerConfig:
     # HTTP (serve/transport/http.py): OpenAI's /v1/embeddings and /v1/models, /v2/health/*, on `host`.
     # 0: the OS chooses (see port_file); -1: off
     http_port: int = 8000
+    # HTTP connections (serve/transport/http_connections.py, docs/serving.md "HTTP connections"):
+    # idle keep-alive, longer than the balancers in front keep theirs (nginx 75 s; ALB, HAProxy setups 60 s)
+    http_keep_alive_s: float = 75.0
+    # a request's headers must be whole this long after its connection opened or its first byte came
+    # (nginx's client_header_timeout); its body may pause at most this long between two reads
+    http_header_timeout_s: float = 60.0
+    http_body_timeout_s: float = 60.0
+    # open HTTP connections; past it a connection is answered 503 (Retry-After) and closed
+    http_max_connections: int = 1024
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
     port_file: str = ""  # when set, the bound ports are written here as JSON once listening
@@ -106,6 +115,11 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be -1 (off) or in 0..65535, got {self.http_port}")
+        for name in ("http_keep_alive_s", "http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.http_max_connections < 1:
+            raise ValueError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0:

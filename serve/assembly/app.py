@@ -95,7 +95,11 @@ class EncoderServer:
             self.http = HttpTransport(config.host, config.http_port, routes, lambda: self.admission.state == "serving",
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
-                                      if config.tls_cert else None, v2=KServeRest(v2, self.admission.engine))
+                                      if config.tls_cert else None, v2=KServeRest(v2, self.admission.engine),
+                                      keep_alive_s=config.http_keep_alive_s,
+                                      header_timeout_s=config.http_header_timeout_s,
+                                      body_timeout_s=config.http_body_timeout_s,
+                                      max_connections=config.http_max_connections)
 
     def _transport(self, config: ServerConfig, address: str, registry: Registry, hard_limit: int, tls):
         """The native transport where it is built (serve/transport/native.py), else grpcio."""

@@ -10,35 +10,57 @@ gRPC: the bearer token (`TokenCheck`, health exempt), admission and drain (503 +
 validation, batching, metrics. Errors become HTTP statuses through serve/errors.py's one table, with
 OpenAI's error object as the body. The body limit is max_request_bytes: a larger Content-Length is
 refused 413 before the body is read, and a body that grows past it while read is cut off with 413.
+
+Refusals reach the client: a request refused before its body was read (401, 404, 405, 413) has the
+rest of its body read and dropped first (for at most DISCARD_S, as nginx's lingering close), since
+clients that send a whole body without `Expect: 100-continue` (urllib, requests, httpx) would
+otherwise see the server's close as a reset and never read the answer. The connection stays open.
+
+Impatience: a client that disconnects has its queued request dropped (counted CANCELLED, never run),
+as a cancelled gRPC call's is; `X-Request-Timeout: <seconds>` is the HTTP request's deadline, which
+admission and the queue honour as gRPC's, answered 504 when it passes. A body that pauses longer
+than http_body_timeout_s is answered 408 and the connection closed. The connection-level rules
+(TCP_NODELAY, header timeout, connection cap, keep-alive) are in serve/transport/http_connections.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
+import resource
 import socket
 import ssl
 import threading
+import time
 from typing import Callable
 
 import grpc
 
 from serve import logs
-from serve.errors import OPENAI_ERROR_TYPES, RETRY_AFTER_S, ServeError, http_status, to_status
+from serve.errors import (OPENAI_ERROR_TYPES, RETRY_AFTER_S, ServeError, ValidationError, clip, http_status,
+                          to_status)
 from serve.protocols.edge import json_object
 from serve.transport import security
+from serve.transport.http_connections import protocol_class
 from serve.transport.rpc import Rpc
 
 log = logging.getLogger("serve.transport.http")
 
 Route = Callable[[Rpc, object], None]  # (rpc, the JSON body or None); answers through rpc
 
+DEADLINE_HEADER = "x-request-timeout"  # seconds (a decimal number > 0): the request's deadline
+DISCARD_S = 30.0  # an early refusal reads and drops the rest of the body for at most this long
+# uvicorn's fast paths, kept for what they measured here (docs/serving.md "HTTP connections")
+PARSER, LOOP = "httptools", "uvloop"
+
 
 class HttpRpc(Rpc):
     """One HTTP request; its answer resolves an asyncio future on the transport's loop."""
 
-    def __init__(self, loop, method: str, headers) -> None:
-        super().__init__(method, headers, None)
+    def __init__(self, loop, method: str, headers, remaining: float | None = None) -> None:
+        super().__init__(method, headers, remaining)
         self._loop = loop
         self.future = loop.create_future()
         self.kserve = False  # errors as KServe v2 REST's {"error": "..."}, not OpenAI's object
@@ -70,14 +92,17 @@ class HttpTransport:
 
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool], *,
                  auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None,
-                 v2=None) -> None:
+                 v2=None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
+                 body_timeout_s: float = 60.0, max_connections: int = 1024) -> None:
         import uvicorn
 
         self._routes, self._ready, self._max = routes, ready, max_body_bytes
+        self._body_timeout = body_timeout_s
         self._v2 = v2  # KServe v2 REST (serve/protocols/kserve_rest.py): every /v2/... path but health
         self._token = security.TokenCheck(auth_token) if auth_token else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets made so (http_connections sets it too)
+        self._socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._socket.bind((host, port))
@@ -85,14 +110,17 @@ class HttpTransport:
             self._socket.close()
             raise RuntimeError(f"--http-port: cannot listen on {host}:{port} ({error.strerror or error})") from None
         self.port = self._socket.getsockname()[1]
+        _allow_descriptors(max_connections)
         options = {}
         if tls_files is not None:
             cert, key, ca = tls_files
             options = {"ssl_certfile": cert, "ssl_keyfile": key}
             if ca:
                 options.update(ssl_ca_certs=ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        protocol = protocol_class(_parser(), header_timeout_s=header_timeout_s, max_connections=max_connections)
         config = uvicorn.Config(self.app, interface="asgi3", log_level="warning", access_log=False, lifespan="off",
-                                server_header=False, **options)
+                                server_header=False, http=protocol, loop=_loop(), timeout_keep_alive=keep_alive_s,
+                                backlog=max(2048, max_connections), **options)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
 
@@ -113,35 +141,42 @@ class HttpTransport:
             return
         method = f"{scope['method']} {scope['path']}"
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
+        request = _Request(scope, receive, headers)
         if scope["path"] in ("/v2/health/live", "/v2/health/ready", "/health"):  # open, as gRPC health
             ready = self._ready() if scope["path"] != "/v2/health/live" else True
-            await self._reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
+            await request.reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
             return
-        if self._token is not None and not self._token.allowed(method, headers):
-            await self._reply(send, 401, error_body(401, security.DENIED, scope["path"].startswith("/v2")))
-            return
-        import asyncio
-
-        rpc = HttpRpc(asyncio.get_running_loop(), method, headers)
         v2 = self._v2 is not None and (scope["path"] == "/v2" or scope["path"].startswith("/v2/"))
+        if self._token is not None:
+            refusal = self._token.refusal(method, headers)
+            if refusal is not None:
+                await request.refuse(send, 401, error_body(401, security.DENIED["http"], v2),
+                                     [(b"www-authenticate", security.WWW_AUTHENTICATE[refusal].encode())])
+                return
         route = self._routes.get(method)
         if route is None and not v2:
             known = any(name.split(" ", 1)[1] == scope["path"] for name in self._routes)
             status = 405 if known else 404
-            await self._reply(send, status, error_body(status, f"{method}: no such endpoint"
-                                                       if not known else f"{method}: method not allowed"))
+            await request.refuse(send, status, error_body(status, f"{method}: no such endpoint"
+                                                          if not known else f"{method}: method not allowed"))
             return
+        try:
+            remaining = _timeout(headers)
+        except ServeError as error:
+            await request.refuse(send, 400, error_body(400, error.message, v2))
+            return
+        rpc = HttpRpc(asyncio.get_running_loop(), method, headers, remaining)
         rpc.kserve = v2
         body = None
         if scope["method"] == "POST":
-            body = await self._read(scope, receive, headers, send, v2)
+            body = await self._read(request, send, v2)
             if body is None:
                 return
             if not v2:
                 try:
                     body = json_object(body)
                 except ServeError as error:
-                    await self._reply(send, 400, error_body(400, error.message))
+                    await request.reply(send, 400, error_body(400, error.message))
                     return
         try:
             if v2:
@@ -153,7 +188,9 @@ class HttpTransport:
         except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
             logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
             rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
-        code, message, payload = await rpc.future
+        if not await self._answered(rpc, receive):
+            return  # the client left: nothing to send
+        code, message, payload = rpc.future.result()
         status = http_status(code)
         if status == 200:
             extra, content_type = [], b"application/json"
@@ -162,40 +199,168 @@ class HttpTransport:
                     payload, extra, content_type = rpc.render(payload)
                 except Exception as error:
                     logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
-                    await self._reply(send, 500, error_body(500, "internal error: the answer could not be "
-                                                                 "rendered", v2))
+                    await request.reply(send, 500, error_body(500, "internal error: the answer could not be "
+                                                                   "rendered", v2))
                     return
-            await self._reply(send, 200, payload, extra, content_type)
+            await request.reply(send, 200, payload, extra, content_type)
         else:
             retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status in (429, 503) else []
-            await self._reply(send, status, error_body(status, message, v2), retry)
+            await request.reply(send, status, error_body(status, message, v2), retry)
 
-    async def _read(self, scope, receive, headers, send, kserve: bool = False) -> bytes | None:
-        """The request body, or None after answering 413 (declared or grown past the limit)."""
-        declared = next((v for k, v in headers if k == "content-length"), None)
+    @staticmethod
+    async def _answered(rpc: HttpRpc, receive) -> bool:
+        """Waits for the answer; False when the client disconnected first (the call is cancelled:
+        a queued request is dropped, never run). At the deadline the call fails DEADLINE_EXCEEDED."""
+        left = asyncio.ensure_future(_disconnect(receive))
+        try:
+            timeout = None if rpc.deadline is None else max(0.0, rpc.deadline - time.monotonic())
+            await asyncio.wait((rpc.future, left), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if rpc.future.done():
+                return True
+            if left.done():
+                rpc.cancelled()
+                return False
+            rpc.fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"deadline exceeded: the {DEADLINE_HEADER} header's time passed before the answer")
+            await asyncio.wait((rpc.future, left), return_when=asyncio.FIRST_COMPLETED)
+            return rpc.future.done()
+        finally:
+            left.cancel()
+
+    async def _read(self, request: "_Request", send, kserve: bool = False) -> bytes | None:
+        """The request body, or None after answering it (413: declared or grown past the limit; 408:
+        it stopped arriving; or the client left)."""
+        declared = request.header("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max:
-            await self._reply(send, 413, error_body(413, f"request body: {declared} bytes exceed "
-                                                         f"max_request_bytes={self._max}", kserve))
+            await request.refuse(send, 413, error_body(413, f"request body: {declared} bytes exceed "
+                                                            f"max_request_bytes={self._max}", kserve))
             return None
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(request.receive(), self._body_timeout)
+            except asyncio.TimeoutError:
+                await request.reply(send, 408, error_body(408, f"request body: nothing arrived for "
+                                                               f"http_body_timeout_s={self._body_timeout:g} s",
+                                                          kserve), [(b"connection", b"close")])
+                return None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self._max:
-                await self._reply(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}",
-                                                        kserve))
+                await request.refuse(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}",
+                                                           kserve))
                 return None
             chunks.append(chunk)
             if not message.get("more_body"):
+                request.body_read = True
                 return b"".join(chunks)
 
+
+class _Request:
+    """One HTTP request's reading side, for the answers that must reach its client (module docstring)."""
+
+    def __init__(self, scope, receive, headers: list[tuple[str, str]]) -> None:
+        self._receive, self._headers = receive, headers
+        self.body_read = scope["method"] in ("GET", "HEAD") and self.header("content-length") in (None, "0") \
+            and self.header("transfer-encoding") is None
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self._headers if k == name), None)
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] == "http.request" and not message.get("more_body"):
+            self.body_read = True
+        return message
+
+    async def refuse(self, send, status: int, body: bytes, extra: list | None = None) -> None:
+        """An answer before the body was read: the rest of the body is read and dropped first (for at
+        most DISCARD_S), so the client reads the answer instead of a reset; past that, or when the
+        client waits for `100 Continue` (and so never sends the body), the connection closes after it."""
+        extra = list(extra or [])
+        if not self.body_read and (self.header("expect") or "").lower() != "100-continue":
+            try:
+                await asyncio.wait_for(self._discard(), DISCARD_S)
+            except asyncio.TimeoutError:
+                pass
+        if not self.body_read:
+            extra.append((b"connection", b"close"))
+        if status in (429, 503):
+            extra.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        await self.reply(send, status, body, extra)
+
+    async def _discard(self) -> None:
+        while not self.body_read:
+            message = await self._receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                self.body_read = True
+
     @staticmethod
-    async def _reply(send, status: int, body: bytes, extra: list | None = None,
-                     content_type: bytes = b"application/json") -> None:
+    async def reply(send, status: int, body: bytes, extra: list | None = None,
+                    content_type: bytes = b"application/json") -> None:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", content_type),
                                 (b"content-length", str(len(body)).encode()), *(extra or [])]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _disconnect(receive) -> None:
+    """Returns when the client disconnects (its body has been read: receive() waits for that alone)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _timeout(headers: list[tuple[str, str]]) -> float | None:
+    """The request's X-Request-Timeout in seconds, None without one; ValidationError when malformed."""
+    value = next((v for k, v in headers if k == DEADLINE_HEADER), None)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValidationError(f"{DEADLINE_HEADER}: expected a number of seconds > 0, got {clip(value)!r}")
+    return seconds
+
+
+def _parser() -> type:
+    """uvicorn's protocol class for PARSER (h11 where httptools is not installed)."""
+    if PARSER == "httptools":
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+            return HttpToolsProtocol
+        except ImportError:
+            pass
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
+
+
+def _loop() -> str:
+    if LOOP == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+
+            return "uvloop"
+        except ImportError:
+            pass
+    return "asyncio"
+
+
+def _allow_descriptors(max_connections: int) -> None:
+    """Raises this process's open-file limit (soft, up to the hard one) so max_connections fit beside
+    everything else the server holds; a host that allows fewer is logged, not refused."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + 512
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < want:
+        logs.event(log, "http_connections_limited", logging.WARNING, max_connections=max_connections,
+                   open_files_limit=target)

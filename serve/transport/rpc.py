@@ -195,7 +195,7 @@ class Router:
             rpc.fail(grpc.StatusCode.UNIMPLEMENTED, f"method {method} is not served here")
             return
         if self._token is not None and not self._token.allowed(method, rpc.invocation_metadata()):
-            rpc.fail(grpc.StatusCode.UNAUTHENTICATED, security.DENIED)  # the body is never parsed
+            rpc.fail(grpc.StatusCode.UNAUTHENTICATED, security.DENIED["grpc"])  # the body is never parsed
             return
         started = self._registry.started.get(method)
         if started is not None:

@@ -6,7 +6,8 @@ and clean INVALID_ARGUMENT for request bytes that are not valid protobuf.
   default bind address is 127.0.0.1.
 - Token: with `--auth-token` (better: the ENCODER_AUTH_TOKEN environment variable, which does not
   show in `ps`), every RPC except `grpc.health.v1.Health/*` must carry the metadata
-  `authorization: Bearer <token>`; otherwise UNAUTHENTICATED. The comparison is constant-time
+  `authorization: Bearer <token>` (over HTTP: that header; the scheme in any case); otherwise
+  UNAUTHENTICATED (HTTP 401 with `WWW-Authenticate: Bearer`). The comparison is constant-time
   (`hmac.compare_digest`). Health stays open so load balancers and orchestrators can probe.
 """
 
@@ -52,25 +53,39 @@ def server_credentials(material: tuple[bytes, bytes, bytes] | None) -> grpc.Serv
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca or None, require_client_auth=bool(ca))
 
 
-DENIED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
+DENIED = {  # the refusal, in each protocol's words; the rule itself is TokenCheck's alone
+    "grpc": "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
+    "http": "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'",
+}
+# RFC 6750 section 3: a 401 names the scheme it wants; a token that was sent and is wrong is "invalid_token"
+WWW_AUTHENTICATE = {"missing": "Bearer", "invalid": 'Bearer error="invalid_token"'}
 
 
 class TokenCheck:
-    """The bearer-token rule (module docstring), for every transport and protocol."""
+    """The bearer-token rule (module docstring), for every transport and protocol: the credentials
+    `Bearer <token>`, the scheme matched case-insensitively (RFC 7235 section 2.1: many clients and
+    proxies write `bearer`), the token compared in constant time."""
 
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("TokenCheck needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
-    def allowed(self, method: str, metadata) -> bool:
+    def refusal(self, method: str, metadata) -> str | None:
+        """None when the call may go on; else why not: "missing" (no authorization sent) or "invalid"."""
         if method.startswith(HEALTH_PREFIX):
-            return True
+            return None
         for key, value in metadata or ():
             if key == AUTH_HEADER:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
-        return False
+                got = value.encode("latin-1", "replace") if isinstance(value, str) else bytes(value)
+                scheme, _, credentials = got.strip().partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return "invalid"
+                return None if hmac.compare_digest(credentials.strip(), self._expected) else "invalid"
+        return "missing"
+
+    def allowed(self, method: str, metadata) -> bool:
+        return self.refusal(method, metadata) is None
 
 
 def malformed(method: str):
