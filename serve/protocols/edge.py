@@ -12,11 +12,11 @@ error that is not a ServeError is a bug: logged, and answered INTERNAL with its 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import grpc
+import orjson
 
 from serve import logs
 from serve.errors import ServeError, ValidationError, to_status
@@ -78,7 +78,7 @@ class Call:
 def json_object(body: bytes) -> dict:
     """A request body that must be a JSON object (every HTTP protocol's); ValidationError otherwise."""
     try:
-        doc = json.loads(body)
+        doc = orjson.loads(body)  # orjson: the same JSON, parsed several times faster than json's
     except (ValueError, UnicodeDecodeError) as error:
         raise ValidationError(f"request body: not valid JSON ({error})") from None
     if not isinstance(doc, dict):

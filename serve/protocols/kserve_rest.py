@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import orjson
 
 from serve.errors import NotFound, ValidationError, clip, quote
 from serve.protocols import kserve_v2 as kserve
@@ -180,14 +181,14 @@ def infer_response(response, binary_outputs) -> tuple[bytes, int | None]:
             entry["parameters"] = {"binary_data_size": len(raw)}
             tail.append(raw)
         else:
-            entry["data"] = np.frombuffer(raw, "<f4").tolist()
+            entry["data"] = np.frombuffer(raw, "<f4")
         outputs.append(entry)
     params = {}
     for key, value in response.parameters.items():
         params[key] = getattr(value, value.WhichOneof("parameter_choice"))
     doc = {"model_name": response.model_name, "model_version": response.model_version, "id": response.id,
            "parameters": params, "outputs": outputs}
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)  # float32 data natively (openai.py)
     if not tail:
         return header, None
     return header + b"".join(tail), len(header)

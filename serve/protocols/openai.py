@@ -26,6 +26,7 @@ import json
 from typing import Callable
 
 import numpy as np
+import orjson
 
 from model.mask_kinds import MaskKind
 from serve.core.engine import Engine
@@ -121,11 +122,13 @@ def response_json(result, name: str, encoding: str, dimensions: int | None) -> b
             vector = vector[:dimensions]
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
         value = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
-                 else vector.tolist())
+                 else np.ascontiguousarray(vector))
         data.append({"object": "embedding", "index": i, "embedding": value})
     tokens = int(sum(result.token_counts))
-    return json.dumps({"object": "list", "data": data, "model": name,
-                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}).encode()
+    # orjson writes a float32 array natively, each value in the shortest form that reads back to the
+    # same float32 (exact, and about half json's bytes); json.dumps of .tolist() took 13 ms for 32 x 384
+    return orjson.dumps({"object": "list", "data": data, "model": name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class OpenAIService:
