@@ -7,7 +7,7 @@ unique. A block may carry, on the line above it, an HTML comment for this test:
     <!-- doc-test: skip: <reason> -->        not run here (a GPU host, a cluster); the reason is printed
     <!-- doc-test: sub <from> <to> -->       run with <from> replaced by <to> (a placeholder path)
 
-Fixed ports as the page writes them (50051, 8080, 8404, 9464 on 127.0.0.1) must be free, else the test
+Fixed ports as the page writes them (50051, 8080, 8081, 8404, 9464 on 127.0.0.1) must be free, else the test
 skips. The clone's Python is this checkout's .venv (first on PATH); its protobuf code is generated as
 `make proto` does. Whatever a block leaves up, `down -v` removes at the end, always.
 """
@@ -32,11 +32,11 @@ pytestmark = [
     pytest.mark.timeout(3600),
     pytest.mark.skipif(os.environ.get("SMOKE_DOCS") != "1",
                        reason="set SMOKE_DOCS=1 to run docs/deployment.md's commands (export image, exports, "
-                              "CPU server, replicas behind the LB; ~10 min, fixed ports 50051/8080/8404/9464)"),
+                              "CPU server, replicas behind the LB; ~10 min, fixed ports 50051/8080/8081/8404/9464)"),
 ]
 
 DOC = "docs/deployment.md"
-PORTS = (50051, 8080, 8404, 9464)
+PORTS = (50051, 8080, 8081, 8404, 9464)
 FENCE = re.compile(r"^(?P<indent> *)```[a-z]*\n(?P<body>.*?)^(?P=indent)```\s*$", re.M | re.S)
 MARK = re.compile(r"<!-- doc-test: (?P<verb>skip|sub)[: ](?P<arg>.*?) -->\s*$")
 

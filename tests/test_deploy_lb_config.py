@@ -1,19 +1,29 @@
-"""docker/haproxy.cfg without Docker: its hand-written gRPC health check, byte for byte.
+"""docker/haproxy.cfg without Docker: its hand-written gRPC health check, byte for byte; the HTTP
+front end's settings; and, where a haproxy binary is installed, the config's HTTP retry rules run for real.
 
 HAProxy 2.6 has no gRPC health check, so the config speaks grpc.health.v1.Health/Check as raw HTTP/2
 bytes (`tcp-check send-binary`) and looks for the SERVING reply's bytes (`tcp-check expect binary`).
 These tests send exactly those bytes, read from the config, to a real gRPC server on 127.0.0.1 and
-check that the expected bytes come back when it is SERVING and not when it is NOT_SERVING. The
-balancer itself, with replicas, runs in tests/test_deploy_lb.py (opt-in, Docker).
+check that the expected bytes come back when it is SERVING and not when it is NOT_SERVING.
+
+The HTTP front end (frontend `http`, backend `serve_http`) is read as written: its port, its health
+check, its retry rule, its timeouts against the server's keep-alive. Then its frontend and backend,
+with the replicas' DNS names replaced by two stub servers on 127.0.0.1 (one refusing every POST with
+503 as a draining replica does, or closing the connection unanswered, one answering), run in a real
+HAProxy: every POST of a client on one keep-alive connection comes back 200. The balancer itself, with
+replicas, runs in tests/test_deploy_lb.py (Docker).
 """
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import os
 import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -86,6 +96,177 @@ def test_haproxy_accepts_the_config():
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         pytest.skip("no haproxy binary here (apt-get install haproxy); the LB image checks it in its build")
-    env = {**os.environ, "LB_UPSTREAM": "serve", "LB_UPSTREAM_PORT": "50051"}
+    env = {**os.environ, "LB_UPSTREAM": "serve", "LB_UPSTREAM_PORT": "50051", "LB_UPSTREAM_HTTP_PORT": "8000"}
     result = subprocess.run([haproxy, "-c", "-f", str(CONFIG)], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the HTTP front end ---------------------------------------------------------------------------
+
+UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _sections() -> dict[str, list[str]]:
+    """'frontend http' -> its directive lines (comments and blank lines dropped), for every section."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for raw in CONFIG.read_text().splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            current = sections.setdefault(line.strip(), [])
+        else:
+            current.append(line.strip())
+    return sections
+
+
+def _directive(lines: list[str], prefix: str) -> str:
+    (hit,) = [line for line in lines if line.startswith(prefix + " ") or line == prefix]
+    return hit[len(prefix):].strip()
+
+
+def _seconds(value: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)?", value).groups()
+    return int(number) * UNITS[unit or "ms"]  # HAProxy's default unit is the millisecond
+
+
+def test_http_frontend_checks_ready_retries_refusals_and_outlasts_the_server_keep_alive():
+    from serve.config import ServerConfig
+
+    server_keep_alive = ServerConfig().http_keep_alive_s  # the replicas' idle keep-alive (--http-keep-alive-s)
+    sections = _sections()
+    front, back, defaults = sections["frontend http"], sections["backend serve_http"], sections["defaults"]
+    assert _directive(front, "bind") == ":8081" and _directive(front, "default_backend") == "serve_http"
+    # the readiness route answers 200 only when loaded, warm and not draining
+    assert "option httpchk" in back
+    assert _directive(back, "http-check send").split()[:4] == ["meth", "GET", "uri", "/v2/health/ready"]
+    assert _directive(back, "http-check expect") == "status 200"
+    assert "check" in _directive(back, "default-server").split()
+    assert _directive(back, "server-template").endswith(':${LB_UPSTREAM_HTTP_PORT}"')
+    # a drain's 503 (not admitted), a refused connection and a pooled connection the replica closed are
+    # replayed elsewhere; nothing that may have run and failed (500, 504) nor an overload (429) is
+    retry_on = set(_directive(back, "retry-on").split())
+    assert retry_on == {"conn-failure", "empty-response", "503"}, retry_on
+    assert int(_directive(back, "retries")) >= 2  # HAProxy 2.6 counts the first attempt among them
+    assert "option http-buffer-request" in back  # an L7 retry needs the whole request held
+    assert "option redispatch 1" in defaults  # each retry on another replica
+    assert _directive(back, "http-reuse") in ("safe", "aggressive", "always")  # keep-alive to the replicas
+    # An idle client connection is kept longer than the server keeps its own (75 s), and `timeout
+    # client` (which also bounds it in HAProxy 2.6) is no shorter.
+    keep_alive = _seconds(_directive(front, "timeout http-keep-alive"))
+    assert keep_alive >= server_keep_alive, (keep_alive, server_keep_alive)
+    assert _seconds(_directive(defaults, "timeout client")) >= keep_alive
+    # Idle connections to a replica are purged (about half every pool-purge-delay) long before the
+    # replica's keep-alive would close them.
+    purge = re.search(r"pool-purge-delay (\S+)", _directive(back, "default-server")).group(1)
+    assert _seconds(purge) * 10 <= server_keep_alive, (purge, server_keep_alive)
+
+
+class _Stub(http.server.BaseHTTPRequestHandler):
+    """A replica as the balancer sees it: /v2/health/ready 200 (still in rotation), POST answered as
+    `mode` says: "ok" (200), "draining" (503 + Retry-After, as a draining replica refuses a request it
+    did not admit), "close" (reads the request, closes the connection without a byte)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive
+    mode = "ok"
+    posts = 0
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        self._answer(200, b'{"ready": true}')
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).posts += 1
+        if self.mode == "ok":
+            self._answer(200, body)
+        elif self.mode == "draining":
+            self._answer(503, b'{"error": "draining"}', [("Retry-After", "1")])
+        else:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _answer(self, status, body, extra=()):
+        self.send_response(status)
+        for name, value in [("content-type", "application/json"), ("content-length", str(len(body))), *extra]:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _StubServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # HAProxy resets its check connections once it has the status line; nothing to report
+
+
+def _stub(mode: str):
+    handler = type(f"Stub_{mode}", (_Stub,), {"mode": mode, "posts": 0})
+    server = _StubServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, handler
+
+
+def _http_only_config(port: int, servers: list[tuple[str, int]]) -> str:
+    """The config's global, defaults, `frontend http` and `backend serve_http`, as written, but bound to
+    127.0.0.1:<port> and with static servers instead of the DNS-filled slots."""
+    text = CONFIG.read_text()
+    keep = []
+    for block in re.split(r"\n(?=\S)", text):
+        head = block.split("\n", 1)[0].strip()
+        if head in ("global", "defaults", "frontend http", "backend serve_http"):
+            keep.append(block)
+    config = "\n".join(keep) + "\n"
+    config = config.replace("bind :8081", f"bind 127.0.0.1:{port}")
+    config = re.sub(r" resolvers docker init-addr none resolve-prefer ipv4", "", config)
+    template = re.search(r"^\s*server-template .*$", config, re.M).group(0)
+    static = "\n".join(f"    server {name} 127.0.0.1:{server_port}" for name, server_port in servers)
+    return config.replace(template, static)
+
+
+@pytest.mark.parametrize("failing", ["draining", "close"])
+def test_haproxy_replays_refused_and_unanswered_posts_on_another_replica(tmp_path, failing):
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("no haproxy binary here (apt-get install haproxy); tests/test_deploy_lb.py runs it in Docker")
+    bad, bad_handler = _stub(failing)
+    good, good_handler = _stub("ok")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "haproxy.cfg"
+    # bad first: round robin sends it the first request
+    cfg.write_text(_http_only_config(port, [("bad", bad.server_address[1]), ("good", good.server_address[1])]))
+    log = (tmp_path / "haproxy.log").open("w")
+    process = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 10
+        while True:  # bounded: until HAProxy listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < end, (tmp_path / "haproxy.log").read_text()
+                time.sleep(0.05)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # one pooled connection, no retry
+        local_ports = set()
+        for i in range(10):
+            body = f'{{"request": {i}}}'.encode()
+            conn.request("POST", "/v1/embeddings", body=body, headers={"content-type": "application/json"})
+            local_ports.add(conn.sock.getsockname()[1])
+            response = conn.getresponse()
+            answer = (response.status, response.read())
+            assert answer == (200, body), f"request {i}: {answer}"
+        conn.close()
+        assert len(local_ports) == 1, local_ports  # HAProxy never closed the client's connection
+        assert good_handler.posts == 10 and bad_handler.posts >= 1, (good_handler.posts, bad_handler.posts)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        log.close()
+        bad.shutdown()
+        good.shutdown()
