@@ -33,6 +33,9 @@ ap.add_argument("--seconds", type=float, default=15)
 ap.add_argument("--project-flags", default="")
 ap.add_argument("--json", default="")
 ap.add_argument("--grpc", action="store_true", help="also the project over gRPC Encode (a third target)")
+ap.add_argument("--loads", default="", help="comma-separated subset of short,mixed,bulk,single(,openai); default all")
+ap.add_argument("--openai", action="store_true", help="also a single client of the `openai` package itself "
+                "(embeddings.create in a loop: its pooled httpx connection) against both servers (load 'openai')")
 a = ap.parse_args()
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -151,12 +154,19 @@ try:
         def worker():
             port = {"infinity": IP, "project": PH}.get(server)
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120) if port else None
+            if kind == "openai" and port:  # the openai package's own client (httpx pool), one sentence a call
+                import openai
+                oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}" + ("/v1" if port == PH else ""),
+                                    api_key="unused", max_retries=0, timeout=120)
+                model = MODEL if port == PH else "minilm"
             while time.time() < stop_at:
-                texts = [SHORT] * per_req if kind in ("short", "single") else [lrng.choice(MIXED) for _ in range(per_req)]
+                texts = [SHORT] * per_req if kind in ("short", "single", "openai") else [lrng.choice(MIXED) for _ in range(per_req)]
                 s = time.time()
                 try:
                     # truncate=True: what infinity does unasked (it cuts at 512; the project at its max_text_tokens)
-                    if server == "project-grpc":
+                    if kind == "openai" and port:
+                        oai.embeddings.create(model=model, input=texts[0])
+                    elif server == "project-grpc":
                         proj_embed(texts, truncate=True)
                     elif server == "project":
                         http_proj_embed(texts, conn)
@@ -176,6 +186,10 @@ try:
                 "errors": err[0]}
 
     LOADS = {"short": (32, 1), "mixed": (32, 1), "bulk": (4, 32), "single": (1, 1)}
+    if a.openai:
+        LOADS["openai"] = (1, 1)
+    if a.loads:
+        LOADS = {k: v for k, v in LOADS.items() if k in a.loads.split(",")}
     rounds = []
     for rd in range(a.rounds):
         res = {}
