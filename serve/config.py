@@ -83,6 +83,10 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     workers: int = 32  # gRPC handler threads
     grace_s: float = 30.0  # drain budget on SIGTERM
+    # On SIGTERM, first report not ready (gRPC health NOT_SERVING, HTTP /v2/health/ready 503) while
+    # still admitting for this long, so the balancers in front take the replica out before it refuses
+    # anything; then drain (grace_s). Compose sets 3 s (HAProxy ejects after 2 failed 1 s checks).
+    drain_delay_s: float = 0.0
     # draining ends (gRPC stops) only after this long without a new call: late callers get UNAVAILABLE
     # from our handlers meanwhile, not CANCELLED from a stopping gRPC (serve/assembly/app.py shutdown)
     drain_quiet_ms: float = 500.0
@@ -122,8 +126,8 @@ class ServerConfig:
             raise ValueError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {', '.join(TRANSPORTS)}")
-        if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0:
-            raise ValueError("max_queue_delay_ms, grace_s and drain_quiet_ms must be >= 0")
+        if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0 or self.drain_delay_s < 0:
+            raise ValueError("max_queue_delay_ms, grace_s, drain_quiet_ms and drain_delay_s must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both to serve TLS, or neither")
         if self.tls_client_ca and not self.tls_cert:

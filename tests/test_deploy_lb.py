@@ -94,7 +94,10 @@ class LbProject:
                     "SERVE_CPU_GRPC_PORT": _free_range(REPLICAS + 1),
                     "SERVE_CPU_METRICS_PORT": _free_range(REPLICAS + 1),
                     "SERVE_CPU_HTTP_PORT": _free_range(REPLICAS + 1),
-                    "ENCODER_INTRA_OP_THREADS": "1"}  # 3 replicas on 2 cores
+                    "ENCODER_INTRA_OP_THREADS": "1",  # 3 replicas on 2 cores
+                    # no drain delay (compose's default is 3 s): a replica refuses (503) at once on SIGTERM,
+                    # the worst case, so the restart test proves the balancer's retries carry it
+                    "ENCODER_DRAIN_DELAY_S": "0"}
         self.volume = f"{self.name}_exports"
 
     def run(self, *args: str, **kwargs):

@@ -189,8 +189,10 @@ def test_deployment_runs_the_gpu_image_with_ports_probes_and_args_the_server_acc
     assert _repository_and_tag(container["image"]) == _repository_and_tag(_compose_images()["serve"])
     _check_serving_container(container, "gpu")
     assert pod["securityContext"]["runAsUser"] == 10001  # the image's user (docker/Dockerfile)
-    grace = load_config([], environ={item["name"]: item["value"] for item in container["env"]}).grace_s
-    assert pod["terminationGracePeriodSeconds"] > grace, "Kubernetes would kill the pod mid-drain"
+    config = load_config([], environ={item["name"]: item["value"] for item in container["env"]})
+    assert config.drain_delay_s > 0, "a terminating pod would refuse calls before its endpoints are gone"
+    assert pod["terminationGracePeriodSeconds"] > config.drain_delay_s + config.grace_s, \
+        "Kubernetes would kill the pod mid-drain"
     metrics = next(port["containerPort"] for port in container["ports"] if port["name"] == "metrics")
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(metrics)
 

@@ -215,3 +215,35 @@ def test_a_changed_graph_is_refused_at_startup(serve_export_dir, tmp_path):
     )
     assert result.returncode != 0
     assert "does not match metadata.json" in result.stderr
+
+
+def test_sigterm_with_a_drain_delay_reports_not_ready_while_it_still_serves(serve_start, serve_export_dir):
+    """--drain-delay-s: on SIGTERM readiness turns (gRPC health NOT_SERVING, HTTP /v2/health/ready 503)
+    while calls are still admitted and answered, so a balancer ejects the replica before it refuses any."""
+    import json
+    import signal
+    import urllib.error
+    import urllib.request
+
+    server = serve_start(serve_export_dir, "--drain-delay-s", "300")
+    base = f"http://127.0.0.1:{server.http_port}"
+    server.proc.send_signal(signal.SIGTERM)
+
+    def http_not_ready() -> bool:
+        try:
+            urllib.request.urlopen(f"{base}/v2/health/ready", timeout=10).close()
+        except urllib.error.HTTPError as error:
+            return error.code == 503
+        return False
+
+    assert wait_until(http_not_ready, 60)
+    with EncoderClient(server.target, retries=0) as client:
+        assert client.health() == "NOT_SERVING"
+    with grpc.insecure_channel(server.target) as channel:  # a channel without client-side health checking
+        answer = pb_grpc.EncoderServiceStub(channel).Encode(build_request([[1, 2, 3]]), timeout=30)
+        assert answer.results[0].HasField("embedding")  # still admitted
+    request = urllib.request.Request(f"{base}/v1/embeddings", data=json.dumps({"input": [[4, 5, 6]]}).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 200 and len(json.loads(answer.read())["data"]) == 1
+    assert server.proc.poll() is None  # still in its delay; the fixture ends it

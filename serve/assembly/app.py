@@ -88,11 +88,12 @@ class EncoderServer:
         address = f"{config.host}:{config.port}"
         self.transport = self._transport(config, address, registry, hard_limit, tls)
         self.port = self.transport.port
+        self._leaving = threading.Event()  # SIGTERM's drain_delay_s: not ready, still admitting (`leave`)
         self.http: HttpTransport | None = None  # OpenAI embeddings + health over HTTP (serve/transport/http.py)
         if config.http_port >= 0:
             openai = OpenAIService(self.admit, self.metrics)
             routes = {EMBEDDINGS: openai.start_embeddings, MODELS: openai.models}
-            self.http = HttpTransport(config.host, config.http_port, routes, lambda: self.admission.state == "serving",
+            self.http = HttpTransport(config.host, config.http_port, routes, self.ready,
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
                                       if config.tls_cert else None, v2=KServeRest(v2, self.admission.engine),
@@ -112,6 +113,22 @@ class EncoderServer:
             logs.event(log, "transport_fallback", logging.WARNING, transport="grpcio", reason=reason)
         return GrpcioTransport(address, self.router, registry, hard_limit, security.server_credentials(tls),
                                config.workers)
+
+    def ready(self) -> bool:
+        """What readiness reports (HTTP /v2/health/ready; gRPC health follows `_set_health`): serving,
+        and not leaving."""
+        return self.admission.state == "serving" and not self._leaving.is_set()
+
+    def leave(self, delay: float) -> None:
+        """The first step of a shutdown (`drain_delay_s`): report not ready while still admitting for
+        `delay` seconds, so balancers take this replica out before it refuses a call."""
+        if delay <= 0 or self.admission.state != "serving":
+            return
+        self._leaving.set()
+        self._set_health(False)
+        self.metrics.ready.set(0)
+        logs.event(log, "leaving", drain_delay_s=delay)
+        threading.Event().wait(delay)  # a deliberate delay: nothing to wait for but the balancers
 
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -287,4 +304,5 @@ def serve(config: ServerConfig) -> int:
         return 1
     stop.wait()
     logs.event(log, "signal_received")
+    server.leave(config.drain_delay_s)
     return 0 if server.shutdown() else 1
