@@ -302,7 +302,11 @@ def serve(config: ServerConfig) -> int:
         logs.event(log, "startup_failed", logging.ERROR, error=message)
         server.shutdown(0)
         return 1
-    stop.wait()
+    # Woken every second, not only by the signal: a signal the kernel hands to another thread (a gRPC,
+    # ONNX Runtime or event-loop thread) does not interrupt this wait, and CPython runs the handler only
+    # when the main thread next runs. Once in 2 full suites on a busy machine, SIGTERM went unheeded.
+    while not stop.wait(1.0):
+        pass
     logs.event(log, "signal_received")
     server.leave(config.drain_delay_s)
     return 0 if server.shutdown() else 1
