@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -269,12 +270,34 @@ def create_server(config: ServerConfig, *, backend_factory: BackendFactory | Non
     return server, server.port
 
 
+class _StopSignals:
+    """SIGTERM and SIGINT, for the main thread to wait on.
+
+    The C-level signal handler writes the signal's number to a socket (`signal.set_wakeup_fd`) in
+    whichever thread the kernel hands the signal to, so the wait ends even when that is not the main
+    thread. A Python handler that sets a threading.Event would run only once the main thread ran again,
+    and could deadlock on the Event's own lock if it ran while the main thread held it. Once in 2 full
+    suites on a busy machine a SIGTERMed server logged nothing and never drained."""
+
+    STOP = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        for sig in self.STOP:
+            signal.signal(sig, lambda signum, frame: None)  # the wakeup byte is the message
+
+    def wait(self) -> None:
+        """Returns once SIGTERM or SIGINT has arrived (before or during the wait)."""
+        while not any(byte in self.STOP for byte in self._read.recv(64)):
+            pass  # another signal's byte (SIGHUP: its own handler reloads)
+
+
 def serve(config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
     logs.setup(config.log_level)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = _StopSignals()
     try:
         server, _ = create_server(config)
     except RuntimeError as error:  # e.g. the port is taken
@@ -302,11 +325,7 @@ def serve(config: ServerConfig) -> int:
         logs.event(log, "startup_failed", logging.ERROR, error=message)
         server.shutdown(0)
         return 1
-    # Woken every second, not only by the signal: a signal the kernel hands to another thread (a gRPC,
-    # ONNX Runtime or event-loop thread) does not interrupt this wait, and CPython runs the handler only
-    # when the main thread next runs. Once in 2 full suites on a busy machine, SIGTERM went unheeded.
-    while not stop.wait(1.0):
-        pass
+    stop.wait()
     logs.event(log, "signal_received")
     server.leave(config.drain_delay_s)
     return 0 if server.shutdown() else 1
