@@ -117,7 +117,9 @@ class HttpTransport:
             options = {"ssl_certfile": cert, "ssl_keyfile": key}
             if ca:
                 options.update(ssl_ca_certs=ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        protocol = protocol_class(_parser(), header_timeout_s=header_timeout_s, max_connections=max_connections)
+        over_cap = error_body(503, f"too many open connections (http_max_connections={max_connections}); retry")
+        protocol = protocol_class(_parser(), header_timeout_s=header_timeout_s, max_connections=max_connections,
+                                  refusal_body=over_cap)
         config = uvicorn.Config(self.app, interface="asgi3", log_level="warning", access_log=False, lifespan="off",
                                 server_header=False, http=protocol, loop=_loop(), timeout_keep_alive=keep_alive_s,
                                 backlog=max(2048, max_connections), **options)
@@ -161,7 +163,7 @@ class HttpTransport:
                                                           if not known else f"{method}: method not allowed"))
             return
         try:
-            remaining = _timeout(headers)
+            remaining = _timeout(request.header(DEADLINE_HEADER))
         except ServeError as error:
             await request.refuse(send, 400, error_body(400, error.message, v2))
             return
@@ -287,8 +289,6 @@ class _Request:
                 pass
         if not self.body_read:
             extra.append((b"connection", b"close"))
-        if status in (429, 503):
-            extra.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         await self.reply(send, status, body, extra)
 
     async def _discard(self) -> None:
@@ -312,9 +312,8 @@ async def _disconnect(receive) -> None:
         pass
 
 
-def _timeout(headers: list[tuple[str, str]]) -> float | None:
-    """The request's X-Request-Timeout in seconds, None without one; ValidationError when malformed."""
-    value = next((v for k, v in headers if k == DEADLINE_HEADER), None)
+def _timeout(value: str | None) -> float | None:
+    """The X-Request-Timeout header's value in seconds, None without one; ValidationError when malformed."""
     if value is None:
         return None
     try:

@@ -23,7 +23,6 @@ takes it as `Config(http=...)`.
 
 from __future__ import annotations
 
-import json
 import socket
 
 from serve.errors import RETRY_AFTER_S
@@ -31,17 +30,17 @@ from serve.errors import RETRY_AFTER_S
 LINGER_S = 2.0  # a refused connection: how long its request is read and dropped before it is closed
 
 
-def _over_cap_answer(cap: int) -> bytes:
-    body = json.dumps({"error": {"message": f"too many open connections (http_max_connections={cap}); retry",
-                                 "type": "server_error", "param": None, "code": 503}}).encode()
+def _over_cap_answer(body: bytes) -> bytes:
+    """The whole 503 a connection past the cap gets, written before any request is read."""
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             b"connection: close\r\nretry-after: " + str(RETRY_AFTER_S).encode() +
             b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def protocol_class(base: type, *, header_timeout_s: float, max_connections: int) -> type:
-    """uvicorn's HTTP protocol `base` (H11Protocol or HttpToolsProtocol) with the module's rules."""
-    refusal = _over_cap_answer(max_connections)
+def protocol_class(base: type, *, header_timeout_s: float, max_connections: int, refusal_body: bytes) -> type:
+    """uvicorn's HTTP protocol `base` (H11Protocol or HttpToolsProtocol) with the module's rules;
+    `refusal_body`: the 503's body past the cap (serve/transport/http.py's error_body, the one shape)."""
+    refusal = _over_cap_answer(refusal_body)
 
     class Protocol(base):
         _header_timer = None

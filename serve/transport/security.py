@@ -77,7 +77,7 @@ class TokenCheck:
             return None
         for key, value in metadata or ():
             if key == AUTH_HEADER:
-                got = value.encode("latin-1", "replace") if isinstance(value, str) else bytes(value)
+                got = value.encode() if isinstance(value, str) else bytes(value)
                 scheme, _, credentials = got.strip().partition(b" ")
                 if scheme.lower() != b"bearer":
                     return "invalid"
