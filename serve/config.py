@@ -41,6 +41,14 @@ class ServerConfig:
     metrics_port: int = 9464  # Prometheus /metrics on its own port; 0: OS chooses; -1: off
     port_file: str = ""  # when set, the bound ports are written here as JSON once listening
     export_dir: str = "exports/default"
+    # Many models (serve/assembly/repository.py, docs/serving.md "Many models"): every subfolder of this
+    # folder with a metadata.json is served under the subfolder's name; set, it replaces export_dir
+    model_repository: str = ""
+    # the model a request that names none runs on when more than one is served ("": only one may be)
+    default_model: str = ""
+    # what loaded models may hold together (graphs, sessions, warm-up arenas), in MiB; a load past it is
+    # refused RESOURCE_EXHAUSTED. 0: MEMORY_SHARE of the memory this process may use (cgroup, else host)
+    memory_budget_mb: int = 0
     # which metadata.json "graphs" entry to serve; "auto": on CUDA fp16, on CPU optimized, if the export
     # has it, else fp32 (never int8: it is outside the 1e-4 parity bound, so it must be asked for)
     graph: str = "auto"
@@ -136,6 +144,8 @@ class ServerConfig:
             raise ValueError(f"split_overhead_tokens must be >= 0, or -1 to measure it, got {self.split_overhead_tokens}")
         if self.max_attention_bytes < 0 or self.max_sequence_length < 0:
             raise ValueError("max_attention_bytes and max_sequence_length must be >= 0 (0: derived)")
+        if self.memory_budget_mb < 0:
+            raise ValueError(f"memory_budget_mb must be >= 0 (0: a share of memory), got {self.memory_budget_mb}")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
 

@@ -143,9 +143,19 @@ def test_bad_parameters_are_invalid_argument(v2, params, match):
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
-def test_unknown_model_and_out_of_range_ids_are_rejected(v2):
-    with pytest.raises(InferenceServerException, match="not served here"):
+def test_a_64_kib_model_name_is_not_found_with_the_name_clipped(server, target):
+    from serve.errors import MAX_MESSAGE_BYTES
+
+    code, details, _ = _v2_call(target, _v2_request(IDS, model=BIG))
+    assert code == "NOT_FOUND", (code, details[:300])
+    assert "…(65536 bytes) is not served here; this server serves 'serve-test'" in details
+    assert len(details.encode()) <= MAX_MESSAGE_BYTES + 64
+
+
+def test_unknown_model_is_not_found_and_out_of_range_ids_are_rejected(v2):
+    with pytest.raises(InferenceServerException, match="not served here") as info:
         v2.get_model_metadata("nope")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match="out of range"):
         infer(v2, np.array([[1, 2, 100_000]], np.int64))
 
@@ -271,7 +281,6 @@ V2_BAD = {
     "65-d custom mask": (
         _v2_request(IDS, ("custom_mask", "BOOL", [1] * 65, [True]), mask_kind="custom"),
         "inputs[custom_mask].shape: 65 dimensions"),
-    "64 KiB model name": (_v2_request(IDS, model=BIG), "…(65536 bytes) is not served here"),
     "64 KiB input name": (_v2_request(IDS, (BIG, "INT64", [1, 3], [1, 2, 3])), "unknown input(s) 'xxx"),
     "64 KiB mask_kind": (_v2_request(IDS, mask_kind=BIG), "parameters.mask_kind: unknown value 'xxx"),
     "64 KiB pooling": (_v2_request(IDS, pooling=BIG), "…(65536 bytes) is not one of"),

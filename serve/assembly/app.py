@@ -30,8 +30,9 @@ from serve.transport import security
 from serve.protocols.admin import ADMIN_SERVICE_NAME, add_admin_to_server
 from serve.config import ServerConfig
 from serve.core.engine import Engine
-from serve.errors import ModelRefused, Overloaded, ServeError, Unavailable
-from serve.assembly.loading import BackendFactory, build_engine, default_backend, retire
+from serve.errors import ServeError, Unavailable
+from serve.assembly.loading import BackendFactory, default_backend
+from serve.assembly.repository import ModelRepository
 from serve.core.admission import Admission
 from serve.core.engine import Reloaded
 from serve.core.metrics import Metrics
@@ -60,10 +61,12 @@ class EncoderServer:
         self.metrics_port: int | None = None
         self._backend_factory = backend_factory or default_backend
         # the state, the served engine and the calls in flight (serve/core/admission.py)
-        self.admission = Admission()
+        self.admission = Admission(config.default_model)
         self.admit = self.admission.admit
         self.engine = self.admission.engine
-        self._reload_lock = threading.Lock()  # one reload at a time
+        # the models: the repository's folders, or the one --export-dir (serve/assembly/repository.py)
+        self.repository = ModelRepository(config, self.admission, self.metrics, self._backend_factory,
+                                          swap=lambda old, new: self._swap_engine(old, new))
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
         hard_limit = 2 * config.max_request_bytes + (1 << 20)
@@ -92,7 +95,7 @@ class EncoderServer:
         self._leaving = threading.Event()  # SIGTERM's drain_delay_s: not ready, still admitting (`leave`)
         self.http: HttpTransport | None = None  # OpenAI embeddings + health over HTTP (serve/transport/http.py)
         if config.http_port >= 0:
-            openai = OpenAIService(self.admit, self.metrics)
+            openai = OpenAIService(self.admit, self.metrics, self.admission.engines)
             routes = {EMBEDDINGS: openai.start_embeddings, MODELS: openai.models}
             self.http = HttpTransport(config.host, config.http_port, routes, self.ready,
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
@@ -154,62 +157,31 @@ class EncoderServer:
                    transport=self.transport.name, http_port=self.http.port if self.http else None)
 
     def load(self) -> None:
-        """Loads and checks the export, warms up, then reports SERVING. Raises ServeError on failure."""
-        c = self.config
+        """Loads and checks every model (serve/assembly/repository.py), warms up, then reports SERVING.
+        Raises ServeError on failure."""
         self.admission.loading()
         started = time.monotonic()
-        # load + sha256 + session checks + warm-up + a probe inference (serve/assembly/loading.py)
-        engine, warm_s = build_engine(c.export_dir, c.graph, c, self._backend_factory,
-                                      self.metrics.observe_batcher)
-        export, backend = engine.export, engine.backend
-        if not self.admission.serving(engine):  # a shutdown arrived while loading
-            engine.batcher.stop(0)
+        engines = self.repository.load_all()
+        if not self.admission.serving(engines):  # a shutdown arrived while loading
+            for engine in engines.values():
+                engine.batcher.stop(0)
             return
         self._set_health(True)
         self.metrics.ready.set(1)
-        logs.event(log, "serving", model=export.name, sha256=export.sha256[:12], graph=export.graph,
-                   provider=backend.info.execution_provider, warmup_s=f"{warm_s:.3f}",
+        logs.event(log, "serving", models=",".join(sorted(engines)),
+                   sha256=",".join(e.export.sha256[:12] for _, e in sorted(engines.items())),
                    load_s=f"{time.monotonic() - started:.3f}")
 
-    def reload(self, export_dir: str = "", graph: str = "") -> Reloaded:
-        """Swaps in a new model without downtime: `export_dir` ("" re-reads the served one) is built
-        and checked beside the old engine while the old keeps serving (serve/assembly/loading.py), then the
-        engine reference is swapped under the lock (one assignment: a request sees the old engine or
-        the new one, never a mix). The old engine is retired in the background: it answers what it
-        holds (requests admitted before the swap answer from the old model, and say so in
-        `metadata.model_sha256`), then stops. Any failure before the swap raises ModelRefused and
-        changes nothing; a reload while another runs raises Overloaded. Triggered by
-        `encoder.v1.AdminService/ReloadModel` (`--admin`, serve/protocols/admin.py) or SIGHUP."""
-        if not self._reload_lock.acquire(blocking=False):
-            raise Overloaded("reload: another reload is in progress; retry when it finishes")
-        try:
-            old = self.engine()  # Unavailable while loading or shutting down
-            export_dir = export_dir or str(old.export.path)
-            graph = graph or self.config.graph
-            started = time.monotonic()
-            logs.event(log, "reload_started", export_dir=export_dir, graph=graph)
-            try:
-                new, warm_s = build_engine(export_dir, graph, self.config, self._backend_factory,
-                                           self.metrics.observe_batcher)
-            except ServeError as error:
-                logs.event(log, "reload_refused", logging.ERROR, export_dir=export_dir, error=error.message)
-                raise ModelRefused(
-                    f"reload refused, still serving sha256={old.export.sha256}: {error.message}") from None
-            except Exception as error:  # e.g. onnxruntime raising its own types
-                logs.event(log, "reload_refused", logging.ERROR, export_dir=export_dir, error=repr(error))
-                raise ModelRefused(f"reload refused, still serving sha256={old.export.sha256}: "
-                                   f"{type(error).__name__}: {error}") from None
-            if not self._swap_engine(old, new):  # (an attribute: a test times requests around it)
-                new.batcher.stop(0)
-                raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")
-            load_s = time.monotonic() - started
-            logs.event(log, "model_swapped", previous=old.export.sha256[:12], sha256=new.export.sha256[:12],
-                       model=new.export.name, warmup_s=f"{warm_s:.3f}", load_s=f"{load_s:.3f}")
-            retire(old, self.config.grace_s)
-            return Reloaded(previous_sha256=old.export.sha256, sha256=new.export.sha256,
-                            model_name=new.export.name, model_version=new.export.version, load_seconds=load_s)
-        finally:
-            self._reload_lock.release()
+    def reload(self, export_dir: str = "", graph: str = "", model: str = "") -> Reloaded:
+        """Swaps in a new build of `model` ("": the only or default one) without downtime: `export_dir`
+        ("" re-reads the served one) is built and checked beside the old engine while the old keeps
+        serving, then the engine reference is swapped (one assignment: a request sees the old engine or
+        the new one, never a mix). The old engine answers what it holds (requests admitted before the
+        swap answer from the old model, and say so in `metadata.model_sha256`), then stops. Any failure
+        before the swap raises ModelRefused and changes nothing; a reload while another load, unload or
+        reload runs raises Overloaded. Triggered by `encoder.v1.AdminService/ReloadModel` (`--admin`,
+        serve/protocols/admin.py), Triton's repository load of a served model, or SIGHUP (every model)."""
+        return self.repository.reload(model, export_dir, graph)
 
     def _swap_engine(self, old: Engine, new: Engine) -> bool:
         return self.admission.swap(old, new)
@@ -228,12 +200,12 @@ class EncoderServer:
         in_flight = self.admission.in_flight()
         self._set_health(False)
         self.metrics.ready.set(0)
-        engine = self.admission.current()
-        logs.event(log, "draining", queued=engine.batcher.queue_depth() if engine else 0, in_flight=in_flight,
+        engines = self.admission.current()
+        logs.event(log, "draining", queued=sum(e.batcher.queue_depth() for e in engines), in_flight=in_flight,
                    grace_s=grace)
         started = time.monotonic()
         end = started + grace
-        if engine is not None:
+        for engine in engines:
             engine.batcher.close()  # what is queued still runs
         for hook in hooks:  # open streams end (UNAVAILABLE) once they have answered what they sent
             hook()
@@ -244,7 +216,7 @@ class EncoderServer:
                     f"finished; it was not answered, retry it on another replica")
             abandoned = self.admission.in_flight()
             logs.event(log, "drain_timeout", logging.WARNING, abandoned=abandoned, grace_s=grace)
-            if engine is not None:
+            for engine in engines:
                 engine.batcher.abandon(Unavailable(late))
             self.admission.wait_calls(time.monotonic() + ABANDON_S)  # their UNAVAILABLE answers go out
         self.admission.wait_quiet(self.config.drain_quiet_ms / 1e3, end)
@@ -253,7 +225,7 @@ class EncoderServer:
         if self.http is not None:
             self.http.stop(ABANDON_S)
         self.router.stop()
-        if engine is not None:
+        for engine in engines:
             engine.batcher.stop(0)
         self.metrics.close()
         refused = self.admission.refused_draining
@@ -307,10 +279,10 @@ def serve(config: ServerConfig) -> int:
         logs.event(log, "startup_failed", logging.ERROR, error=error.message)
         return 1
 
-    def reload_on_hup(signum, frame) -> None:  # re-read the served export dir; refusal keeps the old model
+    def reload_on_hup(signum, frame) -> None:  # re-read every served model; a refusal keeps that model
         def run() -> None:
             try:
-                server.reload()
+                server.repository.reload_all()
             except ServeError as error:
                 logs.event(log, "sighup_reload_failed", logging.ERROR, error=error.message)
 

@@ -11,8 +11,6 @@ then measure the backend's cost per session.run for the batcher's length-sorted 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Callable
 
 import numpy as np
@@ -25,6 +23,7 @@ from serve.backend.session import CUDA, Backend, OnnxRuntimeBackend, dummy_batch
 from serve.core.batch_plan import RunCost
 from serve.core.batcher import Batcher
 from serve.config import ServerConfig
+from serve.core.scheduler import Scheduler
 from serve.core.engine import Engine
 from serve.errors import BackendError
 from serve.backend.export_dir import ExportDir, load_export
@@ -32,7 +31,6 @@ from serve.backend.export_dir import ExportDir, load_export
 log = logging.getLogger("serve.assembly.loading")
 
 BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
-RETIRE_SETTLE_S = 0.5  # after the old batcher drains, how long it still accepts stragglers
 
 
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
@@ -85,8 +83,11 @@ def auto_graphs(device: str) -> tuple[str, ...]:
 
 
 def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_factory: BackendFactory,
-                 observe: Callable[..., None] | None = None) -> tuple[Engine, float]:
-    """A started engine for `export_dir` that passed every check, and its warm-up seconds."""
+                 observe: Callable[..., None] | None = None, *, name: str = "",
+                 scheduler: Scheduler | None = None, memory_bytes: int = 0) -> tuple[Engine, float]:
+    """A started engine for `export_dir` that passed every check, and its warm-up seconds. `name`: what
+    it is served as (default: the export's name); `scheduler`: the server's run slots, shared by every
+    model (serve/core/scheduler.py)."""
     export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
     backend = backend_factory(export, config)
     budget = AttentionBudget(export.config, backend.info.paths, config.max_attention_bytes or default_budget())
@@ -98,25 +99,8 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
-        observe=observe, run_cost=run_cost, budget=budget, instances=config.instances,
+        observe=observe, run_cost=run_cost, budget=budget, instances=config.instances, scheduler=scheduler,
     )
-    engine = Engine(export, backend, batcher, config)  # checks the tokenizer: before any thread starts
+    engine = Engine(export, backend, batcher, config, name=name, memory_bytes=memory_bytes)  # checks the tokenizer: before any thread starts
     batcher.start()
     return engine, warm_s
-
-
-def retire(engine: Engine, grace_s: float) -> threading.Thread:
-    """Lets a swapped-out engine answer what it holds, then stops it (in a background thread)."""
-
-    def run() -> None:
-        started = time.monotonic()
-        drained = engine.batcher.drain(grace_s)
-        time.sleep(RETIRE_SETTLE_S)  # a handler that fetched the old engine just before the swap
-        drained = engine.batcher.drain(grace_s) and drained
-        engine.batcher.stop(0)
-        logs.event(log, "model_retired", sha256=engine.export.sha256[:12], drained=drained,
-                   retire_s=f"{time.monotonic() - started:.3f}")
-
-    thread = threading.Thread(target=run, name="retire-model", daemon=True)
-    thread.start()
-    return thread

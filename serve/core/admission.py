@@ -1,4 +1,4 @@
-"""Admission: which engine a call runs on, and the calls in flight (what a drain waits for).
+"""Admission: which engine a call runs on (by model name), and the calls in flight (what a drain waits for).
 
 Every protocol's calls come through `admit` (serve/protocols/), on every transport: it refuses with
 UNAVAILABLE (retry-safe) unless the server is serving, and counts the call in flight until the call
@@ -13,63 +13,129 @@ import time
 from typing import Callable
 
 from serve.core.engine import Engine
-from serve.errors import Unavailable
+from serve.errors import NotFound, Unavailable, ValidationError, quote
 
 NOT_SERVING = "; not serving (health NOT_SERVING), retry later or on another replica"
+LIST_NAMES = 8  # model names a message lists before "and N more"
+
+
+def names(engines) -> str:
+    """The served model names for a message: sorted, at most LIST_NAMES of them."""
+    listed = sorted(engines)
+    shown = ", ".join(repr(n) for n in listed[:LIST_NAMES])
+    return shown + (f" and {len(listed) - LIST_NAMES} more" if len(listed) > LIST_NAMES else "")
 
 
 class Admission:
-    def __init__(self) -> None:
+    def __init__(self, default_model: str = "") -> None:
         self.state = "starting"
-        self._engine: Engine | None = None
+        # the served models by name (serve/assembly/repository.py); one assignment per change, so a
+        # call sees a model's old engine or its new one, never a mix
+        self._engines: dict[str, Engine] = {}
+        self._changing: dict[str, str] = {}  # name -> "loading" | "unloading": refused UNAVAILABLE meanwhile
+        self.default_model = default_model  # what an empty model name means beside others (--default-model)
         self._calls = threading.Condition(threading.Lock())
         self._in_flight = 0
+        self._per_engine: dict[Engine, int] = {}  # admitted calls per engine (an unload waits for its own)
         self._last_arrival = float("-inf")
         self.refused_draining = 0
         self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
 
-    # -- the engine --------------------------------------------------------------------------
-    def engine(self) -> Engine:
-        engine, state = self._engine, self.state
-        if state != "serving" or engine is None:
+    # -- the engines -------------------------------------------------------------------------
+    def engine(self, model: str = "") -> Engine:
+        """The engine serving `model` ("": the only one, else --default-model). Unavailable unless the
+        server is serving or while that model loads or unloads; NotFound naming the served models."""
+        self._serving()
+        engines = self._engines
+        name = model or self.default_model
+        if not name:
+            if len(engines) == 1:
+                return next(iter(engines.values()))
+            if not engines:
+                raise NotFound("no model is loaded on this server (load one: POST /v2/repository/models/{name}/load)")
+            raise ValidationError(f"model: this server serves {len(engines)} models ({names(engines)}); name one "
+                                  "(or start the server with --default-model)")
+        engine = engines.get(name)
+        if engine is not None:
+            return engine
+        if name in self._changing:
+            raise Unavailable(f"model {quote(name)} is {self._changing[name]}; retry shortly")
+        served = f"this server serves {names(engines)}" if engines else "no model is loaded on this server"
+        raise NotFound(f"model {quote(name)} is not served here; {served}")
+
+    def _serving(self) -> None:
+        """Unavailable (retry-safe) unless the server is serving."""
+        state = self.state
+        if state != "serving":
             reason = {"draining": "server is shutting down", "stopped": "server stopped"}.get(
                 state, "model is loading")
             raise Unavailable(f"{reason}{NOT_SERVING}")
-        return engine
 
-    def current(self) -> Engine | None:
-        """The engine admitted calls run on (None before the first load)."""
-        return self._engine
+    def engines(self) -> dict[str, Engine]:
+        """The served engines by name (a copy)."""
+        return dict(self._engines)
+
+    def current(self) -> list[Engine]:
+        """Every engine admitted calls may run on (none before the first load)."""
+        return list(self._engines.values())
 
     def loading(self) -> None:
         self.state = "loading"
 
-    def serving(self, engine: Engine) -> bool:
-        """Serves `engine`; False when a drain began while it loaded (nothing changes then)."""
+    def serving(self, engines: dict[str, Engine]) -> bool:
+        """Serves `engines`; False when a drain began while they loaded (nothing changes then)."""
         with self._calls:
             if self.state != "loading":
                 return False
-            self._engine, self.state = engine, "serving"
+            self._engines, self.state = dict(engines), "serving"
             return True
 
-    def swap(self, old: Engine, new: Engine) -> bool:
-        """Replaces `old` by `new` in one assignment (a call sees one or the other, never a mix);
-        False when not serving `old` any more."""
+    def changing(self, name: str, what: str | None) -> None:
+        """Marks `name` as loading or unloading (its calls get UNAVAILABLE saying so); None: done."""
         with self._calls:
-            if self.state != "serving" or self._engine is not old:
+            if what is None:
+                self._changing.pop(name, None)
+            else:
+                self._changing[name] = what
+
+    def add(self, name: str, engine: Engine) -> bool:
+        """Serves `engine` as `name` beside the others; False when not serving (nothing changes)."""
+        with self._calls:
+            if self.state != "serving" or name in self._engines:
                 return False
-            self._engine = new
+            self._engines = {**self._engines, name: engine}
+            return True
+
+    def remove(self, name: str) -> Engine | None:
+        """Stops admitting calls to `name` (they get UNAVAILABLE "unloading" until `changing(name, None)`);
+        its engine, whose admitted calls still finish (`wait_engine`)."""
+        with self._calls:
+            engines = dict(self._engines)
+            engine = engines.pop(name, None)
+            self._engines = engines
+            return engine
+
+    def swap(self, old: Engine, new: Engine) -> bool:
+        """Replaces `old` by `new` under the name it serves (one assignment: a call sees one or the
+        other, never a mix); False when not serving `old` any more."""
+        with self._calls:
+            name = next((n for n, e in self._engines.items() if e is old), None)
+            if self.state != "serving" or name is None:
+                return False
+            self._engines = {**self._engines, name: new}
             return True
 
     # -- calls -------------------------------------------------------------------------------
-    def admit(self, context=None, on_drain: Callable[[], None] | None = None) -> Engine:
-        """The engine for a call, which counts as in flight until the call ends (`context`'s end
+    def admit(self, context=None, on_drain: Callable[[], None] | None = None,
+              model: str | None = "") -> Engine | None:
+        """The engine for a call to `model`, counted as in flight until the call ends (`context`'s end
         callback). Unavailable (retry-safe) while loading or draining. `on_drain` (streams) is called
-        once when a drain starts; without `context`, nothing is counted."""
+        once when a drain starts; without `context`, nothing is counted. `model` None (a stream, whose
+        messages each name theirs): the call is counted, and no engine is returned."""
         with self._calls:
             self._last_arrival = time.monotonic()
             try:
-                engine = self.engine()
+                engine = self.engine(model) if model is not None else self._serving()
             except Unavailable:
                 if context is not None and self.state == "draining":
                     self.refused_draining += 1
@@ -77,18 +143,36 @@ class Admission:
             if context is None:
                 return engine
             self._in_flight += 1
+            if engine is not None:
+                self._per_engine[engine] = self._per_engine.get(engine, 0) + 1
             if on_drain is not None:
                 self._drain_hooks.add(on_drain)
 
         def ended() -> None:
             with self._calls:
                 self._in_flight -= 1
+                if engine is not None:
+                    left = self._per_engine[engine] - 1
+                    if left:
+                        self._per_engine[engine] = left
+                    else:
+                        del self._per_engine[engine]
                 self._drain_hooks.discard(on_drain)
                 self._calls.notify_all()
 
         if not context.add_callback(ended):  # the call already ended
             ended()
         return engine
+
+    def wait_engine(self, engine: Engine, until: float) -> bool:
+        """Waits until no call admitted to `engine` is in flight; False when `until` came first."""
+        with self._calls:
+            while self._per_engine.get(engine):
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._calls.wait(remaining)
+        return True
 
     def in_flight(self) -> int:
         with self._calls:

@@ -2,6 +2,8 @@
 
 One worker by default; with ServerConfig.instances = N, N workers each form and run their own batch
 on the one shared backend, so N batches run at once (each on its share of the intra-op threads).
+A worker runs a batch only while it holds a run slot of the server's one Scheduler
+(serve/core/scheduler.py), which every model's batcher shares: N runs at once in the whole server.
 
 Admission: `submit` raises Overloaded when max_queue_size requests wait, Unavailable once closed.
 The worker takes the oldest request, waits up to max_queue_delay for company, then takes requests
@@ -32,6 +34,7 @@ from serve import logs
 from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
+from serve.core.scheduler import Scheduler
 from serve.backend.feeds import Row, pad_batch
 from serve.core.requests import EncodeRequest, EncodeResult, SequenceOutput
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
@@ -117,6 +120,7 @@ class Batcher:
         run_cost: RunCost | None = None,
         budget: AttentionBudget | None = None,
         instances: int = 1,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
@@ -128,6 +132,8 @@ class Batcher:
         self.run_cost = run_cost  # None: one session.run per batch; else length-sorted runs (batch_plan)
         # picks each row's attention path and bounds a batch's attention memory; None: dense, unbounded
         self.budget = budget
+        # the server's run slots, shared by every model's batcher (serve/core/scheduler.py); alone: its own
+        self.scheduler = scheduler or Scheduler(instances)
         self._queue: collections.deque[Ticket] = collections.deque()
         self._scanned = float("-inf")  # when a full queue was last searched for ended tickets
         self._queued_rows = 0
@@ -223,23 +229,41 @@ class Batcher:
                 ticket._finish(error=Unavailable("server stopped before the request ran"))
             self._queue.clear()
             self._cond.notify_all()
+        self.scheduler.wake()  # a worker waiting for a run slot gives up
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout)
 
     # -- the worker --------------------------------------------------------------------------
     def _take(self, worker: int) -> list[Ticket] | None:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
+        """The next batch, formed once this worker holds one of the server's run slots (the
+        Scheduler: oldest request first across models); None when stopping. The caller releases
+        the slot after running it."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                until = self._queue[0].enqueued + self.max_queue_delay_s
+                while not self._closed and self._queued_rows < self.max_batch_size:
+                    remaining = until - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                if not self._queue:  # another worker took it meanwhile
+                    continue
+                oldest = self._queue[0].enqueued
+            if not self.scheduler.acquire(oldest, lambda: self._stopping):
                 return None
-            until = self._queue[0].enqueued + self.max_queue_delay_s
-            while not self._closed and self._queued_rows < self.max_batch_size:
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            batch = self._form(worker)
+            if batch:
+                return batch
+            self.scheduler.release()  # everything queued had ended meanwhile
+
+    def _form(self, worker: int) -> list[Ticket]:
+        """Takes the batch from the head of the queue (the caller holds a run slot)."""
+        with self._cond:
             batch: list[Ticket] = []
             rows = length = memory = 0
             memory_limit = self.budget.max_bytes if self.budget is not None else 0
@@ -259,8 +283,9 @@ class Batcher:
                 rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
             if batch:
                 self._running[worker] = batch
-                # alone: no other batch runs and none waits, so it may use every CPU (Backend.has_wide)
-                self._alone[worker] = len(self._running) == 1 and not self._queue
+                # alone: no other batch runs or waits, in this model or another, so it may use every
+                # CPU (Backend.has_wide)
+                self._alone[worker] = len(self._running) == 1 and not self._queue and self.scheduler.alone()
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
             return batch
@@ -272,13 +297,13 @@ class Batcher:
             if batch is None:
                 return
             try:
-                if batch:
-                    self._run_batch(batch, worker)
+                self._run_batch(batch, worker)
             except BaseException as error:  # never leave a ticket waiting
                 logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
                            requests=len(batch))
                 self._isolate([t for t in batch if not t.done()], error, worker)
             finally:
+                self.scheduler.release()
                 with self._cond:
                     self._running.pop(worker, None)
                     self._alone.pop(worker, None)

@@ -42,6 +42,7 @@ class ModelDescription:
     has_tokenizer: bool
     default_pooling: str
     default_normalize: bool
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ class Reloaded:
 
 
 class Engine:
-    def __init__(self, export: ExportDir, backend: Backend, batcher: Batcher, server: ServerConfig) -> None:
+    def __init__(self, export: ExportDir, backend: Backend, batcher: Batcher, server: ServerConfig,
+                 name: str = "", memory_bytes: int = 0) -> None:
         self.export = export
+        self.name = name or export.name  # the name it is served under (a repository's folder name)
+        self.memory_bytes = memory_bytes  # its share of the memory budget (serve/assembly/repository.py)
         self.backend = backend
         self.batcher = batcher
         self.server = server
@@ -135,7 +139,7 @@ class Engine:
     def describe(self) -> ModelDescription:
         meta, config, s = self.export.metadata, self.export.config, self.server
         return ModelDescription(
-            name=self.export.name,
+            name=self.name,
             version=self.export.version,
             sha256=self.export.sha256,
             config_json=to_json(config),
@@ -163,6 +167,7 @@ class Engine:
             has_tokenizer=self.export.has_tokenizer,
             default_pooling=self.export.default_pooling,
             default_normalize=self.export.default_normalize,
+            memory_bytes=self.memory_bytes,
         )
 
 

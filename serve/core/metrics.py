@@ -32,8 +32,16 @@ class Metrics:
                                  "linear; model/attention_paths.py)", ["path"], registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
         self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
+        # per model (a repository serves several; serve/assembly/repository.py)
+        self.model_queue_depth = Gauge("encoder_model_queue_depth", "Requests waiting for a batch, per model",
+                                       ["model"], registry=r)
+        self.model_rows = Counter("encoder_model_rows", "Rows run, per model", ["model"], registry=r)
+        self.model_memory = Gauge("encoder_model_memory_bytes", "Each loaded model's share of the memory budget "
+                                  "(--memory-budget-mb)", ["model"], registry=r)
+        self.model_ready = Gauge("encoder_model_ready", "1 while the model serves", ["model"], registry=r)
         self._http = None
-        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled children
+        self._children: dict[tuple[str, str], tuple] = {}
+        self._depths: dict[str, int] = {}  # queued requests per model (`observer`)  # (method, code) -> its labelled children
 
     def finished(self, method: str, code: str, seconds: float) -> None:
         """One request of `method` ended with status `code` after `seconds` (the labelled children are
@@ -65,6 +73,34 @@ class Metrics:
             self.queue_seconds.observe(queue_s)
         if run_cpu_s is not None:
             self.session_run_cpu.inc(run_cpu_s)
+
+    def observer(self, model: str):
+        """The batcher's observe callback for `model`: the server totals and the model's own series."""
+        depth, rows = self.model_queue_depth.labels(model), self.model_rows.labels(model)
+
+        def observe(**values) -> None:
+            queued = values.pop("queue_depth", None)
+            self.observe_batcher(**values)
+            if queued is not None:  # the server's gauge holds every model's queue
+                depth.set(queued)
+                self._depths[model] = queued
+                self.queue_depth.set(sum(self._depths.values()))
+            if values.get("batch_size") is not None and values.get("inference_s") is not None:
+                rows.inc(values["batch_size"])
+
+        return observe
+
+    def model_loaded(self, model: str, memory_bytes: int) -> None:
+        self.model_memory.labels(model).set(memory_bytes)
+        self.model_ready.labels(model).set(1)
+
+    def model_unloaded(self, model: str) -> None:
+        self._depths.pop(model, None)
+        for gauge in (self.model_memory, self.model_ready, self.model_queue_depth):
+            try:
+                gauge.remove(model)
+            except KeyError:
+                pass
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts /metrics; returns the bound port (port 0: the OS chooses)."""

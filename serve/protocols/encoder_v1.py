@@ -71,7 +71,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
         request_id=result.request_id,
         results=results,
         metadata=pb.ResponseMetadata(
-            model_name=engine.export.name,
+            model_name=engine.name,
             model_version=engine.export.version,
             model_sha256=engine.export.sha256,
             execution_provider=result.execution_provider,
@@ -107,7 +107,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         """Encode, started (serve/transport/rpc.py): admitted, checked and queued here; answered from
         the batcher's thread once its batch has run. No thread waits for it."""
         def submit():
-            engine = self._engine(rpc)
+            engine = self._engine(rpc, model=request.model)
             return engine, engine.submit(request_from_proto(request, engine, self._max_bytes), rpc.deadline)
 
         start_call(self._metrics, "Encode", rpc, submit,
@@ -125,7 +125,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             with admitting:
                 pending.put(_DRAINING)
 
-        engine = self._engine(context, on_drain=on_drain)
+        self._engine(context, on_drain=on_drain, model=None)  # counted in flight; each message names its model
         deadline = deadline_of(context)
         tickets = []
         context.add_callback(lambda: [t.cancel() for t in list(tickets)])
@@ -136,9 +136,10 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     started = time.monotonic()
                     with admitting:
                         try:
+                            engine = self._engine(model=msg.model)
                             ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
                             tickets.append(ticket)
-                            pending.put((started, ticket, None, msg.request_id))
+                            pending.put((started, (engine, ticket), None, msg.request_id))
                         except Exception as error:
                             pending.put((started, None, error, msg.request_id))
             except Exception:  # the client went away or cancelled; nothing left to answer
@@ -157,8 +158,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     f"server is shutting down; this stream ended after answering its {answered} requests "
                     f"sent before; send the rest to another replica")
             answered += 1
-            started, ticket, error, request_id = item
-            if ticket is not None:
+            started, admitted, error, request_id = item
+            if admitted is not None:
+                engine, ticket = admitted
                 try:
                     result = engine.wait(ticket, deadline)
                     self._metrics.sequences.inc(len(result.outputs))
@@ -176,7 +178,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def GetModelInfo(self, request, context):
         with Call(self._metrics, "GetModelInfo", context):
-            d = self._engine(context).describe()
+            d = self._engine(context, model=request.model).describe()
             return pb.ModelInfo(
                 name=d.name, version=d.version, sha256=d.sha256, config_json=d.config_json, opset=d.opset,
                 inputs=[pb.TensorInfo(name=i["name"], dtype=i["dtype"], dims=[str(x) for x in i["dims"]])
@@ -189,5 +191,5 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 available_providers=list(d.available_providers),
                 input_kind=d.input_kind, d_model=d.d_model, vocab_size=d.vocab_size,
                 has_tokenizer=d.has_tokenizer, default_pooling=d.default_pooling,
-                default_normalize=d.default_normalize,
+                default_normalize=d.default_normalize, memory_bytes=d.memory_bytes,
             )

@@ -24,12 +24,7 @@ M = kserve.M
 HEADER = b"inference-header-content-length"
 
 
-def _model(engine, name: str, version: str) -> None:
-    kserve.check_model(engine, name, version, NotFound)
-
-
-def metadata_json(engine, name: str, version: str) -> dict:
-    _model(engine, name, version)
+def metadata_json(engine) -> dict:
     meta = kserve.model_metadata(engine)
     tensor = lambda t: {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}  # noqa: E731
     return {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform,
@@ -222,14 +217,15 @@ class KServeRest:
         if method == "GET" and not rest:
             call = Call(None, "v2.ModelMetadata", rpc)
             try:
-                payload = json.dumps(metadata_json(self._engine(), name, version)).encode()
+                kserve.check_version(name, version, NotFound)
+                payload = json.dumps(metadata_json(self._engine(model=name))).encode()
             except Exception as error:
                 call.answer(error)
                 return
             call.answer(None, payload)
         elif method == "GET" and rest == ["ready"]:
-            engine = self._engine()
-            _model(engine, name, version)
+            kserve.check_version(name, version, NotFound)
+            self._engine(model=name)
             rpc.reply(json.dumps({"name": name, "ready": True}).encode())
         elif method == "POST" and rest == ["infer"]:
             length = next((v for k, v in headers if k == HEADER.decode()), None)

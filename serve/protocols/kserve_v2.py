@@ -348,11 +348,10 @@ def response_to_v2(result: EncodeResult, requested: list[str], length: int, mode
     return response
 
 
-def check_model(engine: Engine, name: str, version: str, error: type = ValidationError) -> None:
-    """Refuses a model name or version this server does not serve (`error`: INVALID_ARGUMENT on gRPC, as
-    Triton answers; REST passes NotFound: 404)."""
-    if name != engine.export.name:
-        raise error(f"model {quote(name)} is not served here; this server serves {engine.export.name!r}")
+def check_version(name: str, version: str, error: type = ValidationError) -> None:
+    """Refuses a version this server does not serve (`error`: INVALID_ARGUMENT on gRPC, as Triton
+    answers; REST passes NotFound: 404). Which models are served is admission's rule
+    (serve/core/admission.py: NOT_FOUND naming them)."""
     if version not in ("", MODEL_VERSION):
         raise error(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
 
@@ -367,7 +366,7 @@ def model_metadata(engine: Engine):
         first = T(name="inputs_embeds", datatype="FP32", shape=[-1, -1, config.d_model])
     texts = [T(name="texts", datatype="BYTES", shape=[-1])] if engine.export.has_tokenizer else []
     return M["ModelMetadataResponse"](
-        name=engine.export.name, versions=[MODEL_VERSION], platform=PLATFORM,
+        name=engine.name, versions=[MODEL_VERSION], platform=PLATFORM,
         inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
                 T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
         outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
@@ -384,16 +383,16 @@ class KServeServicer:
         self._engine = engine
         self._metrics = metrics
 
-    def _ready_engine(self) -> Engine | None:
+    def _ready_engine(self, model: str | None = None) -> Engine | None:
+        """The engine serving `model` (None: whether the server serves), or None when not ready."""
         try:
-            return self._engine()
+            return self._engine(model=model) if model is not None else self._engine(model=None) or True
         except ServeError:
             return None
 
     def _model(self, name: str, version: str, context: grpc.ServicerContext) -> Engine:
-        engine = self._engine(context)
-        check_model(engine, name, version)
-        return engine
+        check_version(name, version)
+        return self._engine(context, model=name)
 
     def ServerLive(self, request, context):
         return M["ServerLiveResponse"](live=True)
@@ -402,9 +401,8 @@ class KServeServicer:
         return M["ServerReadyResponse"](ready=self._ready_engine() is not None)
 
     def ModelReady(self, request, context):
-        engine = self._ready_engine()
-        ready = (engine is not None and request.name == engine.export.name
-                 and request.version in ("", MODEL_VERSION))
+        ready = (request.version in ("", MODEL_VERSION) and bool(request.name)
+                 and self._ready_engine(request.name) is not None)
         return M["ModelReadyResponse"](ready=ready)
 
     def ServerMetadata(self, request, context):
@@ -432,7 +430,7 @@ class KServeServicer:
 
         start_call(self._metrics, "v2.ModelInfer", rpc, submit,
                    lambda engine, result, call: response_to_v2(result, asked["outputs"], asked["length"],
-                                                              engine.export.name, request.id).SerializeToString())
+                                                              engine.name, request.id).SerializeToString())
 
 
 def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> "KServeServicer":

@@ -32,7 +32,7 @@ from model.mask_kinds import MaskKind
 from serve.core.engine import Engine
 from serve.core.metrics import Metrics
 from serve.core.requests import EncodeRequest, MaskChoice
-from serve.errors import NotFound, ValidationError, quote
+from serve.errors import ValidationError, quote
 from serve.protocols.edge import Call, start_call
 
 EMBEDDINGS = "POST /v1/embeddings"
@@ -88,9 +88,6 @@ def _mask(value) -> MaskChoice:
 def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, int | None]:
     """(our request, the encoding format, dimensions or None); ValidationError naming the field."""
     export = engine.export
-    model = _field(body, "model", (str,), export.name, "a string")
-    if model != export.name:
-        raise NotFound(f"model {quote(model)} is not served here; this server serves {export.name!r} (GET /v1/models)")
     if "input" not in body:
         raise ValidationError("input: missing; send a string, a list of strings or token-id lists")
     texts, sequences = _inputs(body["input"])
@@ -131,10 +128,23 @@ def response_json(result, name: str, encoding: str, dimensions: int | None) -> b
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def model_name(body: dict) -> str:
+    """The request's `model` ("" when absent: the only or default model; admission resolves it)."""
+    return _field(body, "model", (str,), "", "a string")
+
+
+def _created(engine: Engine) -> int:
+    metadata = engine.export.metadata
+    return int(metadata.created_unix) if hasattr(metadata, "created_unix") else 0
+
+
 class OpenAIService:
-    def __init__(self, engine: Callable[..., Engine], metrics: Metrics | None) -> None:
-        # engine(context): admits the call (serve/core/admission.py), Unavailable unless serving
+    def __init__(self, engine: Callable[..., Engine], metrics: Metrics | None,
+                 engines: Callable[[], dict[str, Engine]]) -> None:
+        # engine(context, model=name): admits the call (serve/core/admission.py), Unavailable unless
+        # serving, NotFound naming the served models; engines(): the served models by name
         self._engine = engine
+        self._engines = engines
         self._metrics = metrics
 
     def start_embeddings(self, rpc, body: dict) -> None:
@@ -142,23 +152,22 @@ class OpenAIService:
         asked = {}  # the encoding and dimensions the answer takes
 
         def submit():
-            engine = self._engine(rpc)
+            engine = self._engine(rpc, model=model_name(body))
             request, asked["encoding"], asked["dimensions"] = request_from_json(body, engine)
             return engine, engine.submit(request, rpc.deadline)
 
         start_call(self._metrics, "openai.Embeddings", rpc, submit,
-                   lambda engine, result, call: response_json(result, engine.export.name, asked["encoding"],
+                   lambda engine, result, call: response_json(result, engine.name, asked["encoding"],
                                                               asked["dimensions"]))
 
     def models(self, rpc, body) -> None:
-        """GET /v1/models: the served model, in OpenAI's list shape."""
+        """GET /v1/models: every served model, in OpenAI's list shape."""
         call = Call(self._metrics, "openai.Models", rpc)
         try:
-            engine = self._engine()
+            self._engine(model=None)  # Unavailable unless serving
         except Exception as error:
             call.answer(error)
             return
-        created = int(engine.export.metadata.created_unix) if hasattr(engine.export.metadata, "created_unix") else 0
-        call.answer(None, json.dumps({"object": "list", "data": [
-            {"id": engine.export.name, "object": "model", "created": created, "owned_by": "onnx-encoder-service"}
-        ]}).encode())
+        data = [{"id": name, "object": "model", "created": _created(engine), "owned_by": "onnx-encoder-service"}
+                for name, engine in sorted(self._engines().items())]
+        call.answer(None, json.dumps({"object": "list", "data": data}).encode())
