@@ -226,7 +226,7 @@ class FakeBackend:
 
 
 def _submit(batcher, ids, deadline=None):
-    request = EncodeRequest((np.int64(ids),), hidden_states=True)
+    request = EncodeRequest((np.int64(ids),), hidden_states=True, pooling="mean")  # resolved, as the Engine hands it
     return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)), deadline)
 
 
@@ -453,7 +453,7 @@ class ShapeRecordingBackend(FakeBackend):
 
 
 def _submit_many(batcher, sequences):
-    request = EncodeRequest(tuple(np.int64(ids) for ids in sequences), hidden_states=True)
+    request = EncodeRequest(tuple(np.int64(ids) for ids in sequences), hidden_states=True, pooling="mean")
     return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)))
 
 

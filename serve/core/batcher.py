@@ -36,6 +36,7 @@ from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
 from serve.core.scheduler import Scheduler
 from serve.backend.feeds import Row, pad_batch
+from serve.core.pooling import row_output
 from serve.core.requests import EncodeRequest, EncodeResult, SequenceOutput
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
 
@@ -431,7 +432,7 @@ class _Progress:
                 bad += f" (largest |feature| {float(np.abs(row.inputs).max()):.3g}); scale the features"
             self.error = ValidationError(bad)
             return
-        self.outputs[i] = postprocess(self.ticket.request, hidden, pooled)
+        self.outputs[i] = row_output(self.ticket.request, hidden, pooled)
 
     def finish(self, provider: str) -> None:
         ticket = self.ticket
@@ -455,13 +456,3 @@ class _Progress:
 def _wrap(error: BaseException) -> ServeError:
     return error if isinstance(error, ServeError) else ServeError(f"{type(error).__name__}: {error}")
 
-
-def postprocess(request: EncodeRequest, hidden: np.ndarray, mean_pooled: np.ndarray) -> SequenceOutput:
-    embedding = None
-    if request.pooling == "mean":
-        embedding = mean_pooled
-    elif request.pooling == "first":
-        embedding = hidden[0]
-    if embedding is not None and request.normalize and not request.chunks:  # chunks: after pooling them
-        embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)
-    return SequenceOutput(hidden if request.hidden_states else None, embedding)

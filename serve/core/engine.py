@@ -8,16 +8,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 from dataclasses import dataclass
 
 from model.config import to_json
 from model.mask_kinds import MaskKind
-from serve.core.attention_budget import AttentionBudget, default_budget
 from serve.backend.session import Backend
 from serve.core.batcher import Batcher, Ticket
 from serve.config import ServerConfig
-from serve.core.requests import EncodeRequest, EncodeResult, Limits, SequenceOutput, to_rows
+from serve.core.pooling import pool_chunks, resolve_pooling
+from serve.core.requests import EncodeRequest, EncodeResult, Limits, to_rows
 from serve.errors import DeadlineExceeded, ValidationError
 from serve.backend.export_dir import ExportDir
 from serve.core.text import TextTokenizer
@@ -65,8 +64,7 @@ class Engine:
         self.backend = backend
         self.batcher = batcher
         self.server = server
-        self.budget = batcher.budget or AttentionBudget(export.config, backend.info.paths,
-                                                        server.max_attention_bytes or default_budget())
+        self.budget = batcher.budget  # built once, with the batcher (serve/assembly/loading.py)
         lengths = [n for n in (export.config.position_limit, server.max_sequence_length) if n]
         self.limits = Limits(
             max_sequences_per_request=server.max_sequences_per_request,
@@ -76,7 +74,12 @@ class Engine:
         self.text = TextTokenizer.from_export(export)  # None without one; ExportError on a bad one
 
     def submit(self, request: EncodeRequest, deadline: float | None = None) -> Ticket:
-        """Validates and admits; raises ValidationError / Overloaded / Unavailable."""
+        """Resolves what `request` leaves to the model (its default pooling and normalisation: the
+        adapters pass "" / None), validates and admits; raises ValidationError / Overloaded / Unavailable."""
+        if not request.pooling or request.normalize is None:
+            request = dataclasses.replace(
+                request, pooling=self.pooling(request.pooling),
+                normalize=self.export.default_normalize if request.normalize is None else request.normalize)
         if request.texts:
             request = self._tokenize(request)
         rows = to_rows(request, self.export.config, self.limits)
@@ -98,11 +101,7 @@ class Engine:
             raise ValidationError("texts: send either texts or sequences, not both")
         if self.text is None:
             raise ValidationError("texts: model has no tokenizer; send token ids in `sequences`")
-        n = len(request.texts)
-        if n > self.limits.max_sequences_per_request:
-            raise ValidationError(
-                f"texts: {n} texts exceed max_sequences_per_request={self.limits.max_sequences_per_request}"
-            )
+        self.limits.check_count(len(request.texts), "texts")
         if request.chunk:
             if request.truncate:
                 raise ValidationError("texts: chunk and truncate are two answers to a long text; set one")
@@ -117,6 +116,10 @@ class Engine:
                 f"max_batch_size={self.server.max_batch_size}; send fewer or shorter texts")
         return dataclasses.replace(request, sequences=sequences, truncated=truncated,
                                    chunks=chunks if request.chunk else ())
+
+    def pooling(self, asked: str = "", *, field: str = "pooling", embedding: bool = False) -> str:
+        """The pooling a request runs with (serve/core/pooling.py resolve_pooling, on this model's default)."""
+        return resolve_pooling(asked, self.export.default_pooling, field=field, embedding=embedding)
 
     def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -170,22 +173,3 @@ class Engine:
             memory_bytes=self.memory_bytes,
         )
 
-
-def pool_chunks(result: EncodeResult, request: EncodeRequest) -> EncodeResult:
-    """One output per text from its windows' rows: the token-weighted mean of their mean-pooled
-    embeddings (each window's mean weighs as many tokens as it holds), normalized after pooling
-    when asked. Token counts are per text, summed over its windows (overlaps counted in each)."""
-    outputs, counts, paths, row = [], [], [], 0
-    for n in request.chunks:
-        rows = range(row, row + n)
-        weights = np.array([result.token_counts[r] for r in rows], np.float64)
-        stacked = np.stack([result.outputs[r].embedding for r in rows]).astype(np.float64)
-        embedding = (weights[:, None] * stacked).sum(0) / weights.sum()
-        if request.normalize:
-            embedding = embedding / max(float(np.linalg.norm(embedding)), 1e-12)
-        outputs.append(SequenceOutput(None, embedding.astype(np.float32)))
-        counts.append(int(weights.sum()))
-        paths.append(result.attention_paths[row] if result.attention_paths else "")
-        row += n
-    return dataclasses.replace(result, outputs=tuple(outputs), token_counts=tuple(counts),
-                               attention_paths=tuple(paths), chunks=request.chunks)

@@ -14,7 +14,6 @@ from model.mask_kinds import MaskKind
 from serve.backend.feeds import Row
 from serve.errors import ValidationError
 
-POOLINGS = ("mean", "first", "none")  # what EncodeRequest.pooling may be (KServe v2 lists them in this order)
 
 
 @dataclass(frozen=True)
@@ -31,8 +30,8 @@ class EncodeRequest:
     sequences: tuple[np.ndarray, ...]  # int64/int32 [T] token ids, or float32 [T, d_model] features
     mask: MaskChoice = field(default_factory=MaskChoice)
     hidden_states: bool = False
-    pooling: str = "mean"  # one of POOLINGS
-    normalize: bool = False
+    pooling: str = ""  # one of POOLINGS; "": the model's default (resolved by the Engine)
+    normalize: bool | None = None  # None: the model's default (resolved by the Engine)
     request_id: str = ""
     texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/core/text.py)
     truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
@@ -68,16 +67,18 @@ class Limits:
     max_sequence_length: int
     max_request_tokens: int = 0  # sequences x longest length (the padded work); 0: no limit
 
+    def check_count(self, n: int, field: str) -> None:
+        """The one rule on how many sequences (or texts) a request holds."""
+        if n == 0:
+            raise ValidationError(f"{field}: empty request; send at least one {field[:-1]}")
+        if n > self.max_sequences_per_request:
+            raise ValidationError(f"{field}: {n} {field} exceed max_sequences_per_request={self.max_sequences_per_request}")
+
 
 def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tuple[Row, ...]:
     """Validates `request`; ValidationError names the field and the limit it broke."""
     n = len(request.sequences)
-    if n == 0:
-        raise ValidationError("sequences: empty request; send at least one sequence")
-    if n > limits.max_sequences_per_request:
-        raise ValidationError(
-            f"sequences: {n} sequences exceed max_sequences_per_request={limits.max_sequences_per_request}"
-        )
+    limits.check_count(n, "sequences")
     max_len = limits.max_sequence_length
     inputs = [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)]
     padded = n * max(len(x) for x in inputs)

@@ -40,17 +40,14 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
     custom = (to_numpy(msg.mask.custom, "mask.custom", "[T, T] or [B, T, T]", 3)
               if msg.mask.HasField("custom") else None)
     pooling = _POOLING.get(msg.output.pooling)
-    if pooling is None:
-        if msg.output.pooling != pb.POOLING_DEFAULT:
-            raise ValidationError(f"output.pooling: unknown value {msg.output.pooling}")
-        pooling = engine.export.default_pooling
-    normalize = msg.output.normalize if msg.output.HasField("normalize") else engine.export.default_normalize
+    if pooling is None and msg.output.pooling != pb.POOLING_DEFAULT:
+        raise ValidationError(f"output.pooling: unknown value {msg.output.pooling}")
     return EncodeRequest(
         sequences=sequences,
         mask=MaskChoice(kind, bool(msg.mask.causal), int(msg.mask.window), int(msg.mask.step), custom),
         hidden_states=bool(msg.output.hidden_states),
-        pooling=pooling,
-        normalize=bool(normalize),
+        pooling=pooling or "",  # "": the model's default, and normalize None too (the Engine resolves them)
+        normalize=msg.output.normalize if msg.output.HasField("normalize") else None,
         request_id=msg.request_id,
         texts=tuple(msg.texts),
         truncate=bool(msg.truncate),

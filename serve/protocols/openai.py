@@ -31,6 +31,7 @@ import orjson
 from model.mask_kinds import MaskKind
 from serve.core.engine import Engine
 from serve.core.metrics import Metrics
+from serve.core.pooling import l2_normalize
 from serve.core.requests import EncodeRequest, MaskChoice
 from serve.errors import ValidationError, quote
 from serve.protocols.edge import Call, start_call
@@ -99,12 +100,10 @@ def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, i
     if dimensions is not None and not 1 <= dimensions <= d_model:
         raise ValidationError(f"dimensions: {dimensions} out of range [1, {d_model}] (this model's embeddings "
                               f"have {d_model})")
-    pooling = _field(body, "pooling", (str,), export.default_pooling if export.default_pooling != "none" else "mean")
-    if pooling not in ("mean", "first"):
-        raise ValidationError(f"pooling: {quote(pooling)} is not \"mean\" or \"first\"")
+    pooling = engine.pooling(_field(body, "pooling", (str,), "", "a string"), embedding=True)
     request = EncodeRequest(
         sequences=sequences, texts=texts, mask=_mask(body.get("mask")), pooling=pooling,
-        normalize=_field(body, "normalize", (bool,), export.default_normalize, "true or false"),
+        normalize=_field(body, "normalize", (bool,), None, "true or false"),
         truncate=_field(body, "truncate", (bool,), False, "true or false"),
         chunk=_field(body, "chunk", (bool,), False, "true or false"),
     )
@@ -116,8 +115,7 @@ def response_json(result, name: str, encoding: str, dimensions: int | None) -> b
     for i, out in enumerate(result.outputs):
         vector = np.asarray(out.embedding, np.float32)
         if dimensions is not None:  # Matryoshka: the first N values, re-normalised
-            vector = vector[:dimensions]
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+            vector = l2_normalize(vector[:dimensions])
         value = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
                  else np.ascontiguousarray(vector))
         data.append({"object": "embedding", "index": i, "embedding": value})
