@@ -38,23 +38,40 @@ def _scrape(port: int) -> str:
         return response.read().decode()
 
 
-def _callers(protocol: str, target: str, ids: np.ndarray, model: str):
-    """A function sending one request of `ids` (1-D) on its own channel; returns rows per run."""
+def _callers(protocol: str, target: str, ids: np.ndarray, model: str, http_target: str = ""):
+    """A function sending one request of `ids` ([rows, T]) on its own channel (or HTTP connection);
+    returns rows per run."""
     if protocol == "encode":
         from client import EncoderClient, build_request
 
         client = EncoderClient(target, timeout=60.0, retries=0)
-        request = build_request([ids])
+        request = build_request(list(ids))
 
         def call() -> int:
             return client.stub.Encode(request, timeout=60.0).metadata.batch_size
 
         return call, client.close
+    if protocol == "v2-rest":
+        import tritonclient.http as httpclient
+
+        # tritonclient.http runs on gevent: a client is used only in the thread that made it
+        local, clients = threading.local(), []
+        inputs = [httpclient.InferInput("input_ids", list(ids.shape), "INT64")]
+        inputs[0].set_data_from_numpy(ids.astype(np.int64), binary_data=True)
+        outputs = [httpclient.InferRequestedOutput("embeddings", binary_data=True)]
+
+        def call() -> int:
+            if not hasattr(local, "client"):
+                local.client = httpclient.InferenceServerClient(url=http_target, network_timeout=60.0)
+                clients.append(local.client)
+            return int(local.client.infer(model, inputs, outputs=outputs).get_response()["parameters"]["batch_size"])
+
+        return call, lambda: None  # each thread's client closes with its thread
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url=target)
-    inputs = [grpcclient.InferInput("input_ids", [1, len(ids)], "INT64")]
-    inputs[0].set_data_from_numpy(ids[None].astype(np.int64))
+    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT64")]
+    inputs[0].set_data_from_numpy(ids.astype(np.int64))
     outputs = [grpcclient.InferRequestedOutput("embeddings")]
 
     def call() -> int:
@@ -65,10 +82,12 @@ def _callers(protocol: str, target: str, ids: np.ndarray, model: str):
 
 
 def load(protocol: str, server: sb.ServerHandle, metrics_port: int, model: str, *, clients: int, length: int,
-         seconds: float, vocab: int) -> dict:
+         seconds: float, vocab: int, rows: int = 1) -> dict:
     """`clients` threads back to back for `seconds` (after 2 s of warm-up): req/s, latency, CPU split."""
     rng = np.random.default_rng(0)
-    pairs = [_callers(protocol, server.target, rng.integers(1, vocab, length), model) for _ in range(clients)]
+    http = f"127.0.0.1:{server.http_port}" if server.http_port else ""
+    pairs = [_callers(protocol, server.target, rng.integers(1, vocab, (rows, length)), model, http)
+             for _ in range(clients)]
     for call, _ in pairs:
         call()  # connect every channel before the clock starts
     phase = {"measuring": False, "stop": False}
@@ -109,7 +128,7 @@ def load(protocol: str, server: sb.ServerHandle, metrics_port: int, model: str, 
     in_run = (_metric(scrape1, "encoder_session_run_cpu_seconds_total")
               - _metric(scrape0, "encoder_session_run_cpu_seconds_total"))
     model_cpu = pool + in_run
-    return {"protocol": protocol, "clients": clients, "length": length, "requests": done, "seconds": wall,
+    return {"protocol": protocol, "clients": clients, "rows": rows, "length": length, "requests": done, "seconds": wall,
             "throughput_rps": done / wall, **sb.percentiles(latencies),
             "rows_per_run": len(batch_sizes) / sum(1.0 / b for b in batch_sizes) if batch_sizes else None,
             "server_cpu_ms_per_request": 1e3 * total / done, "model_cpu_ms_per_request": 1e3 * model_cpu / done,
@@ -123,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=1, help="sequences per request (issue 27: 32 x 128)")
+    parser.add_argument("--protocols", default="encode,v2",
+                        help="comma-separated, of encode, v2 (KServe v2 gRPC), v2-rest (KServe v2 REST, binary tensors)")
     parser.add_argument("--flags", default="", help="more `python -m serve` flags (default: none)")
     parser.add_argument("--out", default="bench-results/front_end.json")
     args = parser.parse_args(argv)
@@ -131,27 +153,35 @@ def main(argv: list[str] | None = None) -> int:
     meta = read_metadata(Path(args.export_dir))
     rounds = []
     for number in range(args.rounds):
-        port_file_flags = ["--metrics-port", "0", "--metrics-host", "127.0.0.1", *args.flags.split()]
+        protocols = args.protocols.split(",")
+        port_file_flags = ["--metrics-port", "0", "--metrics-host", "127.0.0.1",
+                           *(["--http-port", "0"] if "v2-rest" in protocols else []), *args.flags.split()]
         with sb.running_server(args.export_dir, port_file_flags) as server:
             metrics_port = server.metrics_port
-            order = ("encode", "v2") if number % 2 == 0 else ("v2", "encode")
+            order = protocols if number % 2 == 0 else protocols[::-1]
             results = {}
             for protocol in order:
                 results[protocol] = load(protocol, server, metrics_port, meta.name, clients=args.clients,
-                                         length=args.length, seconds=args.seconds, vocab=meta.config.vocab_size)
+                                         length=args.length, seconds=args.seconds, vocab=meta.config.vocab_size,
+                                         rows=args.rows)
                 r = results[protocol]
                 print(f"round {number + 1} {protocol:6s} {r['throughput_rps']:7.1f} req/s  p50 {r['p50_ms']:6.2f} ms  "
                       f"p99 {r['p99_ms']:6.2f} ms  rows/run {r['rows_per_run']:.1f}  server CPU "
                       f"{r['server_cpu_ms_per_request']:.3f} ms/req = front end {r['front_cpu_ms_per_request']:.3f} "
                       f"+ model {r['model_cpu_ms_per_request']:.3f}", flush=True)
-            results["encode_over_v2"] = results["encode"]["throughput_rps"] / results["v2"]["throughput_rps"]
             results["transport"] = server.transport
-            print(f"round {number + 1} Encode/v2 throughput {results['encode_over_v2']:.3f} "
-                  f"(transport {server.transport})", flush=True)
+            for a, b in (("encode", "v2"), ("v2-rest", "v2")):  # ratios within the round
+                if a in results and b in results:
+                    results[f"{a}_over_{b}"] = results[a]["throughput_rps"] / results[b]["throughput_rps"]
+                    print(f"round {number + 1} {a}/{b} throughput {results[f'{a}_over_{b}']:.3f} "
+                          f"(transport {server.transport})", flush=True)
             rounds.append(results)
-    ratios = sorted(r["encode_over_v2"] for r in rounds)
-    summary = {"encode_over_v2_median": ratios[len(ratios) // 2], "encode_over_v2_range": [ratios[0], ratios[-1]]}
-    for protocol in ("encode", "v2"):
+    summary = {}
+    for key in ("encode_over_v2", "v2-rest_over_v2"):
+        ratios = sorted(r[key] for r in rounds if key in r)
+        if ratios:
+            summary[f"{key}_median"], summary[f"{key}_range"] = ratios[len(ratios) // 2], [ratios[0], ratios[-1]]
+    for protocol in protocols:
         for key in ("throughput_rps", "front_cpu_ms_per_request", "server_cpu_ms_per_request", "p50_ms"):
             values = sorted(r[protocol][key] for r in rounds)
             summary[f"{protocol}_{key}_median"] = values[len(values) // 2]

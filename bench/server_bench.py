@@ -35,6 +35,7 @@ class ServerHandle:
     startup_threads: frozenset[int] = frozenset()
     metrics_port: int | None = None
     transport: str = ""
+    http_port: int | None = None  # when started with --http-port 0
 
     @property
     def pid(self) -> int:
@@ -79,7 +80,7 @@ def running_server(export_dir: str, flags: list[str], *, start_timeout_s: float 
     with _process_with_port_file(command, port_file, log, start_timeout_s) as (process, ports, deadline):
         port = int(ports["port"])
         handle = ServerHandle(process, port, f"127.0.0.1:{port}", log, flags, frozenset(thread_cpu(process.pid)),
-                              ports.get("metrics_port"), ports.get("transport", ""))
+                              ports.get("metrics_port"), ports.get("transport", ""), ports.get("http_port"))
         with EncoderClient(handle.target, timeout=5.0) as client:
             while True:
                 try:

@@ -1,6 +1,6 @@
-"""The server's small typed error set, and the ONE place that maps it to gRPC status codes.
-
-Every layer raises these; the servicer converts them at the edge (`to_status`). Anything else
+"""The server's small typed error set. Each error has a `kind` and knows no transport: the protocols
+map kinds to their statuses in ONE place (serve/protocols/status.py: the gRPC status, and from it the
+HTTP status; each HTTP protocol writes its own error body). Every layer raises these. Anything else
 that escapes is a bug and is reported as INTERNAL with its type, never as UNKNOWN.
 
 Strings a client sent (a model, input or parameter name, a parameter value) appear in messages only
@@ -10,8 +10,6 @@ any message to MAX_MESSAGE_BYTES: gRPC sends it as percent-encoded trailing meta
 """
 
 from __future__ import annotations
-
-import grpc
 
 QUOTE_CHARS = 200  # of a client-supplied string, in a message
 MAX_MESSAGE_BYTES = 2048  # of any status message (UTF-8; percent-encoded by gRPC: at most 3x on the wire)
@@ -51,7 +49,7 @@ def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
 class ServeError(Exception):
     """Base of the errors a request can end with; `message` is what the client reads."""
 
-    code = grpc.StatusCode.INTERNAL
+    kind = "internal"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -61,89 +59,59 @@ class ServeError(Exception):
 class ValidationError(ServeError):
     """The request cannot be served as sent; the message names the field and the limit."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = "invalid_argument"
 
 
 class Unsupported(ServeError):
     """A well-formed request for a feature this server does not implement (yet)."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    kind = "unimplemented"
 
 
 class Overloaded(ServeError):
     """The admission queue is full; retry later."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = "resource_exhausted"
 
 
 class TooLarge(ServeError):
     """The request needs more of a resource (memory for attention) than this server allows at all;
     retrying the same request will not help, a smaller one will."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = "resource_exhausted"
 
 
 class Unavailable(ServeError):
     """Not ready yet, or shutting down."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = "unavailable"
 
 
 class DeadlineExceeded(ServeError):
     """The request's deadline passed before it ran; it was dropped from the queue."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = "deadline_exceeded"
 
 
 class Cancelled(ServeError):
     """The client went away before the request ran."""
 
-    code = grpc.StatusCode.CANCELLED
+    kind = "cancelled"
 
 
 class NotFound(ServeError):
     """What the request names (a model, over HTTP) is not served here."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    kind = "not_found"
 
 
 class ModelRefused(ServeError):
     """A model reload was refused (bad export, failed checks); the previous model keeps serving."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = "failed_precondition"
 
 
 class BackendError(ServeError):
     """The inference backend failed (at start: it cannot serve this export or device)."""
 
-    code = grpc.StatusCode.INTERNAL
-
-
-def to_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status for any exception that reaches the edge."""
-    if isinstance(error, ServeError):
-        return error.code, bounded(error.message)
-    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(error).__name__}: {error}")
-
-
-# HTTP's status for each gRPC status (the HTTP transport, serve/transport/http.py, answers with it):
-# errors are mapped to gRPC codes above and from there to HTTP here, so both protocols agree.
-HTTP_STATUS = {
-    grpc.StatusCode.OK: 200,
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-RETRY_AFTER_S = 1  # Retry-After on 429 and 503: overloaded, loading or draining; a retry may succeed
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                      413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    return HTTP_STATUS.get(code, 500)
+    kind = "internal"

@@ -17,6 +17,7 @@ import pytest
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from serve import errors
+from serve.protocols import status
 from serve.protocols import proto_stamp
 from tools import protogen
 from serve.backend.session import BackendInfo
@@ -137,7 +138,7 @@ def test_config_bad_environment_value_names_the_variable():
     (KeyError("k"), grpc.StatusCode.INTERNAL),
 ], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name)
 def test_errors_map_to_one_grpc_status_each_and_never_unknown(error, code):
-    assert errors.to_status(error)[0] == code
+    assert status.to_status(error)[0] == code
 
 
 def test_client_strings_in_messages_are_cut_to_a_bounded_length():
@@ -148,7 +149,7 @@ def test_client_strings_in_messages_are_cut_to_a_bounded_length():
     assert errors.clip(b"\xff" * 300).endswith("…(300 bytes)")
     # and whatever a message holds, the status carries at most MAX_MESSAGE_BYTES (+ the note)
     for error in (errors.ValidationError(f"model {name} is not served"), KeyError(name)):
-        code, message = errors.to_status(error)
+        code, message = status.to_status(error)
         assert len(message.encode()) < errors.MAX_MESSAGE_BYTES + 64 and "message cut" in message
 
 

@@ -50,6 +50,7 @@ log = logging.getLogger("serve.assembly.repository")
 
 MEMORY_SHARE = 0.5  # of the memory this process may use, for the models (attention takes the other half)
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's states
+ONE_EXPORT = "this server serves one export (--export-dir); start it with --model-repository to load and unload models"
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,19 @@ class IndexEntry:
 
 
 def scan(root: Path) -> dict[str, Path]:
-    """The model folders of a repository by name: each subfolder with a metadata.json, sorted."""
+    """The model folders of a repository by name: each subfolder with a metadata.json, sorted. Hidden
+    folders are skipped: the exporter stages a new export in `.NAME.staging-*` and keeps the one it
+    replaces in `.NAME.old-*` until the swap (export/exporter.py), and neither is a model."""
     if not root.is_dir():
         raise Unavailable(f"--model-repository {root}: not a folder")
-    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and (p / METADATA_FILE).is_file()}
+    return {p.name: p for p in sorted(root.iterdir())
+            if not p.name.startswith(".") and p.is_dir() and (p / METADATA_FILE).is_file()}
+
+
+def refused(what: str, error: ServeError) -> ServeError:
+    """A refused load's error: past the memory budget RESOURCE_EXHAUSTED (TooLarge), any other check
+    FAILED_PRECONDITION (ModelRefused), with the reason."""
+    return (TooLarge if isinstance(error, TooLarge) else ModelRefused)(f"{what}: {error.message}")
 
 
 def resident_bytes() -> int:
@@ -164,8 +174,7 @@ class ModelRepository:
     def load(self, name: str) -> Reloaded:
         """Loads `name` from the repository (reloads it when it is served); ServeError naming why not."""
         if self.root is None:
-            raise ModelRefused("load: this server serves one export (--export-dir); start it with "
-                               "--model-repository to load and unload models")
+            raise ModelRefused(f"load: {ONE_EXPORT}")
         with self._exclusive("load"):
             path = self.sources().get(name)
             if path is None:
@@ -176,7 +185,12 @@ class ModelRepository:
             self.admission.changing(name, "loading")
             try:
                 started = time.monotonic()
-                engine = self._build(name, path, self.config.graph, replacing="")
+                try:
+                    engine = self._build(name, path, self.config.graph, replacing="")
+                except (TooLarge, ModelRefused):
+                    raise
+                except ServeError as error:  # e.g. BackendError: the export's fault, not the server's
+                    raise ModelRefused(f"load {quote(name)} refused: {error.message}") from None
                 if not self.admission.add(name, engine):
                     engine.batcher.stop(0)
                     self._forget(name)
@@ -191,6 +205,8 @@ class ModelRepository:
     def unload(self, name: str) -> None:
         """Stops serving `name`: new calls get UNAVAILABLE naming it; calls admitted before finish
         (within grace_s), then its batcher stops and its memory share is released."""
+        if self.root is None:  # its one model would be gone, with nothing to load it again
+            raise ModelRefused(f"unload: {ONE_EXPORT}")
         with self._exclusive("unload"):
             self.admission.changing(name, "unloading")
             try:
@@ -295,7 +311,7 @@ class ModelRepository:
         except ServeError as error:
             self._entries.pop(name, None)  # it still serves: READY in the index
             logs.event(log, "reload_refused", logging.ERROR, model=name, export_dir=export_dir, error=error.message)
-            raise ModelRefused(f"reload refused, still serving sha256={old.export.sha256}: {error.message}") from None
+            raise refused(f"reload refused, still serving sha256={old.export.sha256}", error) from None
         if not self._swap(old, new):
             new.batcher.stop(0)
             raise Unavailable("reload: the server is shutting down (or the model changed meanwhile)")

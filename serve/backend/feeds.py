@@ -5,6 +5,7 @@ The batcher calls it for every session.run, the backend for warm-up and the star
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +26,8 @@ class Row:
     step: int
     custom: np.ndarray | None  # bool [T, T] for custom rows
 
-    @property
-    def length(self) -> int:
+    @functools.cached_property
+    def length(self) -> int:  # read for every row at every step: kept once computed
         return int(self.inputs.shape[0])
 
     @property

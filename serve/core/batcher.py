@@ -11,9 +11,9 @@ in arrival order (FIFO: no request is starved by shorter ones) while the batch s
 max_batch_size rows and max_batch_tokens (rows x padded length). Each row carries its own mask
 kind, since the graph takes per-row mask inputs, so requests with different masks batch together.
 Padding is masked out of attention, so a row's result does not depend on its batch-mates.
-With a RunCost (ServerConfig.length_split), a batch of mixed lengths runs as length-sorted
-session.runs, each padded to its own longest row, where that saves work (serve/core/batch_plan.py).
-Cancelled and deadline-expired requests are dropped when the batch is formed.
+How a formed batch runs (attention paths, length-sorted session.runs where splitting saves work,
+padding, outputs) is serve/core/runs.py's. Cancelled and deadline-expired requests are dropped when
+the batch is formed.
 A batch whose inference fails is re-run request by request, so one bad request fails alone (INTERNAL).
 """
 
@@ -25,20 +25,16 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
-
-from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
-from model.mask_kinds import MaskKind
 from serve import logs
 from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
-from serve.core.batch_plan import RunCost, plan_runs
+from serve.core.batch_plan import RunCost
 from serve.core.scheduler import Scheduler
-from serve.backend.feeds import Row, pad_batch
-from serve.core.pooling import row_output
-from serve.core.requests import EncodeRequest, EncodeResult, SequenceOutput
-from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable, ValidationError
+from serve.backend.feeds import Row
+from serve.core.requests import EncodeRequest, EncodeResult
+from serve.core.runs import BatchRunner
+from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable
 
 log = logging.getLogger("serve.core.batcher")
 _FINISH = threading.Lock()
@@ -130,9 +126,11 @@ class Batcher:
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self._observe = observe or (lambda **_: None)
-        self.run_cost = run_cost  # None: one session.run per batch; else length-sorted runs (batch_plan)
-        # picks each row's attention path and bounds a batch's attention memory; None: dense, unbounded
+        self.run_cost = run_cost
+        # bounds a batch's attention memory here; picks each row's attention path in the runner
         self.budget = budget
+        # runs a formed batch: paths, runs, padding, the backend, outputs (serve/core/runs.py)
+        self.runner = BatchRunner(backend, config, observe=self._observe, run_cost=run_cost, budget=budget)
         # the server's run slots, shared by every model's batcher (serve/core/scheduler.py); alone: its own
         self.scheduler = scheduler or Scheduler(instances)
         self._queue: collections.deque[Ticket] = collections.deque()
@@ -298,7 +296,7 @@ class Batcher:
             if batch is None:
                 return
             try:
-                self._run_batch(batch, worker)
+                self.runner.run(batch, wide=self._alone.get(worker, False))
             except BaseException as error:  # never leave a ticket waiting
                 logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
                            requests=len(batch))
@@ -317,142 +315,12 @@ class Batcher:
             return
         for ticket in batch:
             try:
-                self._run_batch([ticket], worker)
+                self.runner.run([ticket], wide=self._alone.get(worker, False))
             except BaseException as alone:  # this request fails by itself: it alone gets INTERNAL
                 logs.event(log, "request_failed_alone", logging.ERROR, error=f"{type(alone).__name__}: {alone}")
                 if not ticket.done():
                     ticket._finish(error=_wrap(alone))
 
-    def _run_batch(self, batch: list[Ticket], worker: int = 0) -> None:
-        """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/core/batch_plan.py)
-        when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
-        has run, so short requests in a mixed batch come back first."""
-        slots = [(ticket, i) for ticket in batch for i in range(len(ticket.rows))]
-        runs = []
-        for path, group in self._by_path(slots):
-            if self.run_cost is None:
-                runs.append((path, group))
-            else:
-                plan = plan_runs([slots[k][0].rows[slots[k][1]].length for k in group], self.run_cost)
-                runs += [(path, [group[k] for k in run]) for run in plan]
-        progress = {ticket: _Progress(ticket) for ticket in batch}
-        provider = self.backend.info.execution_provider
-        for number, (path, run) in enumerate(runs):
-            members = [slots[k] for k in run]
-            rows = [ticket.rows[i] for ticket, i in members]
-            length = max(row.length for row in rows)
-            feeds = pad_batch(rows, length, self.config, path)
-            started, cpu = time.monotonic(), time.thread_time()
-            if path != DENSE:
-                hidden, pooled = self.backend.encode(feeds, path)
-            elif self._alone.get(worker) and getattr(self.backend, "has_wide", False):
-                hidden, pooled = self.backend.encode(feeds, wide=True)
-            else:
-                hidden, pooled = self.backend.encode(feeds)
-            inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
-            finite = bool(np.isfinite(hidden).all() and np.isfinite(pooled).all())  # else: row by row
-            tokens = sum(row.length for row in rows)
-            self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
-                          padding_tokens=len(rows) * length - tokens, path=path, run_cpu_s=run_cpu_s)
-            for index, (ticket, i) in enumerate(members):
-                row = rows[index]
-                progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],
-                                     run=number, started=started, inference_s=inference_s,
-                                     batch_size=len(rows), batch_length=length, path=path, finite=finite)
-            for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
-                if progress[ticket].complete and not ticket.done():
-                    self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
-                    progress[ticket].finish(provider)
-
-
-    def _by_path(self, slots: list[tuple[Ticket, int]]) -> list[tuple[str, list[int]]]:
-        """Slot indices grouped by the attention path each row runs on, dense first. Sparse rows are
-        grouped by their step too (a sparse run's strided rows share one step; window-only rows run
-        apart, so they never pay for a strided layout)."""
-        if self.budget is None:
-            return [(DENSE, list(range(len(slots))))]
-        groups: dict[tuple[str, int], list[int]] = {}
-        for k, (ticket, i) in enumerate(slots):
-            row = ticket.rows[i]
-            path = self.budget.path(row)
-            kind = MaskKind(row.kind)
-            # bidirectional/causal rows on a plan's sparse graph are step-1 rows on its global layers
-            step = (row.step if kind.uses_step else 1 if kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL) else 0) \
-                if path == SPARSE else 0
-            groups.setdefault((path, step), []).append(k)
-        order = sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1]))
-        return [(key[0], groups[key]) for key in order]
-
-
-class _Progress:
-    """One ticket's rows as their runs complete; `finish` answers it once all have run."""
-
-    __slots__ = ("ticket", "outputs", "paths", "left", "first_start", "inference_s", "last_run", "batch_size",
-                 "batch_length", "error")
-
-    def __init__(self, ticket: Ticket) -> None:
-        self.ticket = ticket
-        self.outputs: list[SequenceOutput | None] = [None] * len(ticket.rows)
-        self.paths: list[str] = [DENSE] * len(ticket.rows)
-        self.left = len(ticket.rows)
-        self.first_start: float | None = None
-        self.inference_s = 0.0
-        self.last_run = -1  # the latest run this ticket took part in (its time counts once per run)
-        self.batch_size = self.batch_length = 0
-        self.error: ValidationError | None = None
-
-    @property
-    def complete(self) -> bool:
-        return self.left == 0 or self.error is not None
-
-    @property
-    def queue_s(self) -> float:
-        """Admitted -> the start of its first run."""
-        return self.first_start - self.ticket.enqueued
-
-    def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
-            inference_s: float, batch_size: int, batch_length: int, path: str = DENSE,
-            finite: bool = False) -> None:
-        """Takes row `i`'s outputs; `finite`: the whole run's outputs are known finite (no row check)."""
-        if self.error is not None:
-            return
-        self.paths[i] = path
-        if self.first_start is None:
-            self.first_start = started
-        if run != self.last_run:
-            self.last_run = run
-            self.inference_s += inference_s
-        # runs go shortest first, so the last run a ticket is in holds its longest row: report that one
-        self.batch_size, self.batch_length = batch_size, batch_length
-        self.left -= 1
-        if not finite and not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
-            # finite but extreme raw features can overflow inside the model: never answer NaN
-            bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
-            if row.inputs.dtype.kind == "f":
-                bad += f" (largest |feature| {float(np.abs(row.inputs).max()):.3g}); scale the features"
-            self.error = ValidationError(bad)
-            return
-        self.outputs[i] = row_output(self.ticket.request, hidden, pooled)
-
-    def finish(self, provider: str) -> None:
-        ticket = self.ticket
-        if self.error is not None:
-            ticket._finish(error=self.error)
-            return
-        ticket._finish(EncodeResult(
-            request_id=ticket.request.request_id,
-            outputs=tuple(self.outputs),
-            queue_s=self.queue_s,
-            inference_s=self.inference_s,
-            batch_size=self.batch_size,
-            batch_length=self.batch_length,
-            execution_provider=provider,
-            token_counts=tuple(row.length for row in ticket.rows),
-            truncated=ticket.request.truncated,
-            attention_paths=tuple(self.paths),
-        ))
-
 
 def _wrap(error: BaseException) -> ServeError:
     return error if isinstance(error, ServeError) else ServeError(f"{type(error).__name__}: {error}")
-

@@ -97,7 +97,7 @@ class Engine:
 
     def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
         """The request with its texts tokenized into `sequences` (rows like any token ids)."""
-        if request.sequences:
+        if len(request.sequences):
             raise ValidationError("texts: send either texts or sequences, not both")
         if self.text is None:
             raise ValidationError("texts: model has no tokenizer; send token ids in `sequences`")

@@ -27,7 +27,9 @@ class MaskChoice:
 
 @dataclass(frozen=True)
 class EncodeRequest:
-    sequences: tuple[np.ndarray, ...]  # int64/int32 [T] token ids, or float32 [T, d_model] features
+    # int64/int32 [T] token ids, or float32 [T, d_model] features; or, rows of one length, the one array
+    # [B, T] / [B, T, d_model] they came in (KServe v2's tensor as sent: checked at once, never cut up)
+    sequences: tuple[np.ndarray, ...] | np.ndarray
     mask: MaskChoice = field(default_factory=MaskChoice)
     hidden_states: bool = False
     pooling: str = ""  # one of POOLINGS; "": the model's default (resolved by the Engine)
@@ -81,6 +83,8 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tu
     limits.check_count(n, "sequences")
     max_len = limits.max_sequence_length
     inputs = [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)]
+    block = request.sequences if isinstance(request.sequences, np.ndarray) else None
+    _check_values(inputs, config, block)
     padded = n * max(len(x) for x in inputs)
     if limits.max_request_tokens and padded > limits.max_request_tokens:
         raise ValidationError(
@@ -96,32 +100,39 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tu
 
 
 def _check_sequence(index: int, seq: np.ndarray, config: EncoderConfig, max_len: int) -> np.ndarray:
-    name = f"sequences[{index}]"
-    if config.input_kind == "tokens":
+    """One sequence's dtype, shape and length (its values: `_check_values`, over all rows at once)."""
+    tokens = config.input_kind == "tokens"
+    if tokens:
         if seq.dtype.kind not in "iu" or seq.ndim != 1:
-            raise ValidationError(
-                f"{name}: token ids must be INT64 or INT32 of shape [T], got {seq.dtype} {list(seq.shape)}"
-            )
-    else:
-        if seq.dtype != np.float32 or seq.ndim != 2 or seq.shape[1] != config.d_model:
-            raise ValidationError(
-                f"{name}: this model takes raw features FLOAT32 [T, {config.d_model}], "
-                f"got {seq.dtype} {list(seq.shape)}"
-            )
+            raise ValidationError(f"sequences[{index}]: token ids must be INT64 or INT32 of shape [T], got "
+                                  f"{seq.dtype} {list(seq.shape)}")
+    elif seq.dtype != np.float32 or seq.ndim != 2 or seq.shape[1] != config.d_model:
+        raise ValidationError(f"sequences[{index}]: this model takes raw features FLOAT32 [T, {config.d_model}], "
+                              f"got {seq.dtype} {list(seq.shape)}")
     length = seq.shape[0]
     if length == 0:
-        raise ValidationError(f"{name}: empty sequence; send at least one token")
+        raise ValidationError(f"sequences[{index}]: empty sequence; send at least one token")
     if length > max_len:
-        raise ValidationError(f"{name}: length {length} exceeds max_sequence_length={max_len}")
+        raise ValidationError(f"sequences[{index}]: length {length} exceeds max_sequence_length={max_len}")
+    return seq.astype(np.int64, copy=False) if tokens else seq
+
+
+def _check_values(inputs: list[np.ndarray], config: EncoderConfig, block: np.ndarray | None = None) -> None:
+    """Token ids in the vocabulary, features finite: one pass over every row at once (`block`: the
+    rows' own array, when they came as one); a failure names the first row that broke the rule."""
+    flat = block if block is not None else inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
     if config.input_kind == "tokens":
-        low, high = int(seq.min()), int(seq.max())
-        if low < 0 or high >= config.vocab_size:
-            bad = low if low < 0 else high
-            raise ValidationError(f"{name}: token id {bad} out of range [0, {config.vocab_size})")
-        return seq.astype(np.int64, copy=False)
-    if not np.isfinite(seq).all():
-        raise ValidationError(f"{name}: features contain NaN or infinity")
-    return seq
+        if int(flat.min()) >= 0 and int(flat.max()) < config.vocab_size:
+            return
+        for index, seq in enumerate(inputs):
+            low, high = int(seq.min()), int(seq.max())
+            if low < 0 or high >= config.vocab_size:
+                raise ValidationError(f"sequences[{index}]: token id {low if low < 0 else high} out of range "
+                                      f"[0, {config.vocab_size})")
+    if np.isfinite(flat).all():
+        return
+    index = next(i for i, seq in enumerate(inputs) if not np.isfinite(seq).all())
+    raise ValidationError(f"sequences[{index}]: features contain NaN or infinity")
 
 
 def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.ndarray | None]:

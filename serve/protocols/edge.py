@@ -6,7 +6,7 @@
         return response
 
 On leaving the block the call is counted (`Metrics.finished(method, code, seconds)`); an error is
-mapped to its status by serve.errors.to_status (the one place) and the call aborted with it. An
+mapped to its status by serve.protocols.status.to_status (the one place) and the call aborted with it. An
 error that is not a ServeError is a bug: logged, and answered INTERNAL with its type, never UNKNOWN.
 """
 
@@ -19,7 +19,8 @@ import grpc
 import orjson
 
 from serve import logs
-from serve.errors import ServeError, ValidationError, to_status
+from serve.errors import ServeError, ValidationError
+from serve.protocols.status import to_status
 from serve.core.metrics import Metrics
 
 log = logging.getLogger("serve.protocols.edge")

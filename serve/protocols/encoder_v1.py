@@ -1,7 +1,7 @@
 """The gRPC servicer: protobuf <-> our request types, errors -> status. Nothing more.
 
 Deadlines, metrics and status codes are the shared edge's (serve/protocols/edge.py): every ServeError is mapped
-to its status by serve.errors.to_status (the one place); anything else becomes INTERNAL with its type,
+to its status by serve.protocols.status.to_status (the one place); anything else becomes INTERNAL with its type,
 never UNKNOWN.
 """
 
@@ -16,7 +16,8 @@ from model.mask_kinds import MaskKind
 from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
 from serve.protocols.edge import Call, deadline_of, start_call
 from serve.core.engine import Engine
-from serve.errors import Unavailable, ValidationError, to_status
+from serve.errors import Unavailable, ValidationError
+from serve.protocols.status import to_status
 from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
 from serve.protocols.tensors import from_numpy, to_numpy

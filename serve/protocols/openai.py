@@ -37,6 +37,8 @@ from serve.errors import ValidationError, quote
 from serve.protocols.edge import Call, start_call
 
 EMBEDDINGS = "POST /v1/embeddings"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}
 MODELS = "GET /v1/models"
 
 
@@ -124,6 +126,12 @@ def response_json(result, name: str, encoding: str, dimensions: int | None) -> b
     # same float32 (exact, and about half json's bytes); json.dumps of .tolist() took 13 ms for 32 x 384
     return orjson.dumps({"object": "list", "data": data, "model": name,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error_body(status: int, message: str) -> bytes:
+    """OpenAI's error object, which its clients raise from (every non-/v2 HTTP answer's error shape)."""
+    return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                                   "param": None, "code": status}})
 
 
 def model_name(body: dict) -> str:

@@ -39,8 +39,8 @@ from typing import Callable
 import grpc
 
 from serve import logs
-from serve.errors import (OPENAI_ERROR_TYPES, RETRY_AFTER_S, ServeError, ValidationError, clip, http_status,
-                          to_status)
+from serve.errors import ServeError, ValidationError, clip
+from serve.protocols.status import RETRY_AFTER_S, http_status, to_status
 from serve.protocols.edge import json_object
 from serve.transport import security
 from serve.transport.http_connections import protocol_class
@@ -63,7 +63,6 @@ class HttpRpc(Rpc):
         super().__init__(method, headers, remaining)
         self._loop = loop
         self.future = loop.create_future()
-        self.kserve = False  # errors as KServe v2 REST's {"error": "..."}, not OpenAI's object
         # payload -> (body, extra headers, content type): a route whose adapter answers in another form
         # (KServe v2 REST: the gRPC adapter's protobuf answer, rendered as REST)
         self.render: Callable[[bytes], tuple[bytes, list, bytes]] | None = None
@@ -79,26 +78,21 @@ class HttpRpc(Rpc):
             self.future.set_result(outcome)
 
 
-def error_body(status: int, message: str, kserve: bool = False) -> bytes:
-    """OpenAI's error object (what its clients raise from), or KServe v2 REST's {"error": message}."""
-    if kserve:
-        return json.dumps({"error": message}).encode()
-    return json.dumps({"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(status, "server_error"),
-                                 "param": None, "code": status}}).encode()
-
-
 class HttpTransport:
     name = "http"
 
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool], *,
                  auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None,
-                 v2=None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
+                 v2=None, error_bodies: tuple = (), keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
                  body_timeout_s: float = 60.0, max_connections: int = 1024) -> None:
         import uvicorn
 
         self._routes, self._ready, self._max = routes, ready, max_body_bytes
         self._body_timeout = body_timeout_s
         self._v2 = v2  # KServe v2 REST (serve/protocols/kserve_rest.py): every /v2/... path but health
+        # (path prefix, (status, message) -> body): each protocol's error body, the first prefix that
+        # matches (the protocols own their shapes; this transport only picks by path)
+        self._error_bodies = tuple(error_bodies) or (("", lambda status, message: message.encode()),)
         self._token = security.TokenCheck(auth_token) if auth_token else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets made so (http_connections sets it too)
@@ -117,7 +111,8 @@ class HttpTransport:
             options = {"ssl_certfile": cert, "ssl_keyfile": key}
             if ca:
                 options.update(ssl_ca_certs=ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        over_cap = error_body(503, f"too many open connections (http_max_connections={max_connections}); retry")
+        over_cap = self._error_bodies[-1][1](503, f"too many open connections (http_max_connections="
+                                                   f"{max_connections}); retry")
         protocol = protocol_class(_parser(), header_timeout_s=header_timeout_s, max_connections=max_connections,
                                   refusal_body=over_cap)
         config = uvicorn.Config(self.app, interface="asgi3", log_level="warning", access_log=False, lifespan="off",
@@ -144,6 +139,7 @@ class HttpTransport:
         method = f"{scope['method']} {scope['path']}"
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
         request = _Request(scope, receive, headers)
+        error_body = self._error_body(scope["path"])
         if scope["path"] in ("/v2/health/live", "/v2/health/ready", "/health"):  # open, as gRPC health
             ready = self._ready() if scope["path"] != "/v2/health/live" else True
             await request.reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
@@ -152,7 +148,7 @@ class HttpTransport:
         if self._token is not None:
             refusal = self._token.refusal(method, headers)
             if refusal is not None:
-                await request.refuse(send, 401, error_body(401, security.DENIED["http"], v2),
+                await request.refuse(send, 401, error_body(401, security.DENIED["http"]),
                                      [(b"www-authenticate", security.WWW_AUTHENTICATE[refusal].encode())])
                 return
         route = self._routes.get(method)
@@ -165,13 +161,12 @@ class HttpTransport:
         try:
             remaining = _timeout(request.header(DEADLINE_HEADER))
         except ServeError as error:
-            await request.refuse(send, 400, error_body(400, error.message, v2))
+            await request.refuse(send, 400, error_body(400, error.message))
             return
         rpc = HttpRpc(asyncio.get_running_loop(), method, headers, remaining)
-        rpc.kserve = v2
         body = None
         if scope["method"] == "POST":
-            body = await self._read(request, send, v2)
+            body = await self._read(request, send, error_body)
             if body is None:
                 return
             if not v2:
@@ -202,12 +197,12 @@ class HttpTransport:
                 except Exception as error:
                     logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
                     await request.reply(send, 500, error_body(500, "internal error: the answer could not be "
-                                                                   "rendered", v2))
+                                                                   "rendered"))
                     return
             await request.reply(send, 200, payload, extra, content_type)
         else:
             retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status in (429, 503) else []
-            await request.reply(send, status, error_body(status, message, v2), retry)
+            await request.reply(send, status, error_body(status, message), retry)
 
     @staticmethod
     async def _answered(rpc: HttpRpc, receive) -> bool:
@@ -229,13 +224,17 @@ class HttpTransport:
         finally:
             left.cancel()
 
-    async def _read(self, request: "_Request", send, kserve: bool = False) -> bytes | None:
+    def _error_body(self, path: str) -> Callable[[int, str], bytes]:
+        """The error body of the protocol `path` belongs to (the first matching prefix)."""
+        return next(body for prefix, body in self._error_bodies if path.startswith(prefix))
+
+    async def _read(self, request: "_Request", send, error_body) -> bytes | None:
         """The request body, or None after answering it (413: declared or grown past the limit; 408:
         it stopped arriving; or the client left)."""
         declared = request.header("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max:
             await request.refuse(send, 413, error_body(413, f"request body: {declared} bytes exceed "
-                                                            f"max_request_bytes={self._max}", kserve))
+                                                            f"max_request_bytes={self._max}"))
             return None
         chunks, size = [], 0
         while True:
@@ -243,16 +242,15 @@ class HttpTransport:
                 message = await asyncio.wait_for(request.receive(), self._body_timeout)
             except asyncio.TimeoutError:
                 await request.reply(send, 408, error_body(408, f"request body: nothing arrived for "
-                                                               f"http_body_timeout_s={self._body_timeout:g} s",
-                                                          kserve), [(b"connection", b"close")])
+                                                               f"http_body_timeout_s={self._body_timeout:g} s"),
+                                    [(b"connection", b"close")])
                 return None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self._max:
-                await request.refuse(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}",
-                                                           kserve))
+                await request.refuse(send, 413, error_body(413, f"request body: over max_request_bytes={self._max}"))
                 return None
             chunks.append(chunk)
             if not message.get("more_body"):

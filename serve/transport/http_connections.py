@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import socket
 
-from serve.errors import RETRY_AFTER_S
+from serve.protocols.status import RETRY_AFTER_S
 
 LINGER_S = 2.0  # a refused connection: how long its request is read and dropped before it is closed
 

@@ -31,7 +31,7 @@ import grpc
 
 from serve import logs
 from serve.transport import security
-from serve.errors import to_status
+from serve.protocols.status import to_status
 
 log = logging.getLogger("serve.transport")
 
