@@ -39,7 +39,9 @@ from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
 from serve.protocols.encoder_v1 import ENCODE, EncoderServicer
 from serve.transport import native
+from serve.protocols import kserve_rest, openai as openai_api
 from serve.protocols.kserve_rest import KServeRest
+from serve.protocols.repository_api import add_repository_to_server
 from serve.protocols.openai import EMBEDDINGS, MODELS, OpenAIService
 from serve.transport.grpcio import GrpcioTransport
 from serve.transport.http import HttpTransport
@@ -79,10 +81,12 @@ class EncoderServer:
         registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
         # KServe v2 / Open Inference Protocol on the same engine (serve/protocols/kserve_v2.py, docs/deployment.md)
         v2 = kserve.add_kserve_to_server(self.admit, self.metrics, registry)
+        # Triton's model repository extension, v2 gRPC and REST (serve/protocols/repository_api.py)
+        repository_api = add_repository_to_server(self.repository, self.metrics, registry)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if config.admin:  # ReloadModel (serve/protocols/admin.py); SIGHUP reloads without it
-            add_admin_to_server(self.reload, self.metrics, registry)
+            add_admin_to_server(self.reload, self.metrics, registry, repository_api)
             services.append(ADMIN_SERVICE_NAME)
         # the v2 messages live in their own pool (serve/protocols/kserve_v2.py): reflection reads both
         reflection.enable_server_reflection(tuple(services), registry, pool=kserve.ReflectionPool())
@@ -100,7 +104,9 @@ class EncoderServer:
             self.http = HttpTransport(config.host, config.http_port, routes, self.ready,
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
-                                      if config.tls_cert else None, v2=KServeRest(v2, self.admission.engine),
+                                      if config.tls_cert else None,
+                                      v2=KServeRest(v2, self.admission.engine, repository_api),
+                                      error_bodies=(("/v2", kserve_rest.error_body), ("", openai_api.error_body)),
                                       keep_alive_s=config.http_keep_alive_s,
                                       header_timeout_s=config.http_header_timeout_s,
                                       body_timeout_s=config.http_body_timeout_s,

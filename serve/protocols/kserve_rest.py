@@ -24,6 +24,11 @@ M = kserve.M
 HEADER = b"inference-header-content-length"
 
 
+def error_body(status: int, message: str) -> bytes:
+    """KServe v2 REST's error shape, {"error": message}."""
+    return orjson.dumps({"error": message})
+
+
 def metadata_json(engine) -> dict:
     meta = kserve.model_metadata(engine)
     tensor = lambda t: {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}  # noqa: E731
@@ -167,37 +172,39 @@ def infer_request(body: bytes, header_length: int | None, name: str, version: st
     return msg, binary_outputs
 
 
-def infer_response(response, binary_outputs) -> tuple[bytes, int | None]:
-    """(body, JSON header length when binary outputs follow) from a ModelInferResponse."""
+def infer_response(engine, result, requested: list[str], length: int, request_id: str,
+                   binary_outputs) -> tuple[bytes, list, bytes]:
+    """The REST answer (body, extra headers, content type), rendered from the core's result through
+    the same output arrays as gRPC's (kserve.output_arrays), never through protobuf bytes."""
     outputs, tail = [], []
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
-        entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if binary_outputs is True or tensor.name in binary_outputs:
+    for name, array in kserve.output_arrays(result, requested, length):
+        entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if binary_outputs is True or name in binary_outputs:
+            raw = array.tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             tail.append(raw)
         else:
-            entry["data"] = np.frombuffer(raw, "<f4")
+            entry["data"] = array.reshape(-1)
         outputs.append(entry)
-    params = {}
-    for key, value in response.parameters.items():
-        params[key] = getattr(value, value.WhichOneof("parameter_choice"))
-    doc = {"model_name": response.model_name, "model_version": response.model_version, "id": response.id,
-           "parameters": params, "outputs": outputs}
+    doc = {"model_name": engine.name, "model_version": kserve.MODEL_VERSION, "id": request_id,
+           "parameters": kserve.response_parameters(result), "outputs": outputs}
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)  # float32 data natively (openai.py)
     if not tail:
-        return header, None
-    return header + b"".join(tail), len(header)
+        return header, [], b"application/json"
+    return header + b"".join(tail), [(HEADER, str(len(header)).encode())], b"application/octet-stream"
 
 
 class KServeRest:
     """The v2 REST routes (serve/transport/http.py hands it every /v2/... path but health):
-    GET /v2, GET /v2/models/{name}[/versions/{v}], GET .../ready, POST .../infer. Inference goes
+    GET /v2, GET /v2/models/{name}[/versions/{v}], GET .../ready, POST .../infer, and the model
+    repository extension's POST /v2/repository/... (serve/protocols/repository_api.py). Inference goes
     through the gRPC adapter's started ModelInfer (the same admission, checks, batching and metrics);
     only the body's form changes here."""
 
-    def __init__(self, servicer: "kserve.KServeServicer", engine) -> None:
+    def __init__(self, servicer: "kserve.KServeServicer", engine, repository=None) -> None:
         self._servicer = servicer
         self._engine = engine  # admission's engine(): Unavailable unless serving
+        self._repository = repository  # POST /v2/repository/...: serve/protocols/repository_api.py
 
     def route(self, rpc, method: str, path: str, body: bytes, headers) -> None:
         from serve.protocols.edge import Call
@@ -207,6 +214,9 @@ class KServeRest:
             meta = self._servicer.ServerMetadata(None, rpc)
             rpc.reply(json.dumps({"name": meta.name, "version": meta.version,
                                   "extensions": list(meta.extensions)}).encode())
+            return
+        if parts[1:2] == ["repository"] and self._repository is not None:
+            self._repository.route(rpc, method, parts[1:], body)
             return
         if len(parts) < 3 or parts[1] != "models":
             raise NotFound(f"{method} {path}: no such endpoint")
@@ -232,13 +242,9 @@ class KServeRest:
             if length is not None and not length.isdigit():
                 raise ValidationError(f"Inference-Header-Content-Length: {quote(length)} is not a byte count")
             request, binary = infer_request(body, int(length) if length is not None else None, name, version)
-
-            def render(payload: bytes):
-                out, header_length = infer_response(kserve.M["ModelInferResponse"].FromString(payload), binary)
-                extra = [] if header_length is None else [(HEADER, str(header_length).encode())]
-                return out, extra, b"application/json" if header_length is None else b"application/octet-stream"
-
-            rpc.render = render
-            self._servicer.start_infer(rpc, request)
+            rpc.render = lambda answer: answer  # infer_response made the (body, headers, content type)
+            self._servicer.start_infer(
+                rpc, request, lambda engine, result, outputs, length, id: infer_response(
+                    engine, result, outputs, length, id, binary))
         else:
             raise NotFound(f"{method} {path}: no such endpoint")

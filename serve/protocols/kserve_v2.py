@@ -40,7 +40,7 @@ import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
 from model.mask_kinds import MaskKind
-from serve.core.requests import POOLINGS, EncodeRequest, EncodeResult, MaskChoice
+from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
 from serve.protocols.edge import Call, start_call
 from serve.core.engine import Engine
 from serve.errors import ServeError, ValidationError, clip, quote
@@ -58,6 +58,7 @@ DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtyp
 CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
                   "BOOL": "bool_contents"}
 LIST_NAMES = 5  # names listed in a message before "and N more"
+EXTENSIONS = ["parameters", "model_repository"]  # model_repository: serve/protocols/repository_api.py
 
 
 def _load_messages() -> tuple[descriptor_pool.DescriptorPool, dict[str, type]]:
@@ -274,16 +275,15 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
     batch, length = int(ids.shape[0]), int(ids.shape[1])
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
     custom = _cut_custom(tensors.get("custom_mask"), lengths)
-    request, requested = _request(msg, engine, sequences=tuple(row[:n] for row, n in zip(ids, lengths)),
-                                  mask=_mask(msg.parameters, custom))
+    # rows of one length go as the tensor itself (the core checks it at once); others are cut to length
+    sequences = ids if min(lengths) == length else tuple(row[:n] for row, n in zip(ids, lengths))
+    request, requested = _request(msg, engine, sequences=sequences, mask=_mask(msg.parameters, custom))
     return request, requested, length
 
 
 def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
     """Our request for `inputs` (sequences or texts, and the mask) with the outputs `msg` asks for."""
-    pooling = str(_param(msg.parameters, "pooling", engine.export.default_pooling))
-    if pooling not in POOLINGS:
-        raise ValidationError(f"parameters.pooling: {quote(pooling)} is not one of {', '.join(POOLINGS)}")
+    pooling = engine.pooling(str(_param(msg.parameters, "pooling", "")), field="parameters.pooling")
     requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
     for name in requested:
         if name not in OUTPUTS:
@@ -293,7 +293,7 @@ def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
     request = EncodeRequest(
         hidden_states="last_hidden_state" in requested,
         pooling=pooling if "embeddings" in requested else "none",
-        normalize=_bool_param(msg.parameters, "normalize", engine.export.default_normalize),
+        normalize=_bool_param(msg.parameters, "normalize", False) if "normalize" in msg.parameters else None,
         request_id=msg.id,
         **inputs,
     )
@@ -328,24 +328,45 @@ def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | N
     return custom[:, :longest, :longest]
 
 
-def response_to_v2(result: EncodeResult, requested: list[str], length: int, model_name: str, request_id: str):
-    response = M["ModelInferResponse"](model_name=model_name, model_version=MODEL_VERSION, id=request_id)
+def output_arrays(result: EncodeResult, requested: list[str], length: int) -> list[tuple[str, np.ndarray]]:
+    """The requested v2 outputs as little-endian float32 arrays (gRPC and REST answer from these):
+    last_hidden_state [B, T, D] with zeros at padded positions, embeddings [B, D]."""
+    arrays = []
     for name in requested:
         if name == "last_hidden_state":
             rows = [o.hidden_states for o in result.outputs]
             length = length or max(hidden.shape[0] for hidden in rows)  # texts: the longest tokenized text
-            array = np.zeros((len(rows), length, rows[0].shape[-1]), np.float32)
+            array = np.zeros((len(rows), length, rows[0].shape[-1]), "<f4")
             for i, hidden in enumerate(rows):
                 array[i, : hidden.shape[0]] = hidden
         else:
-            array = np.stack([o.embedding for o in result.outputs]).astype(np.float32, copy=False)
+            array = np.stack([o.embedding for o in result.outputs]).astype("<f4", copy=False)
+        arrays.append((name, array))
+    return arrays
+
+
+def response_parameters(result: EncodeResult) -> dict:
+    """What Encode's ResponseMetadata says of the run, as v2 response parameters (module docstring)."""
+    return {"batch_size": result.batch_size, "batch_sequence_length": result.batch_length,
+            "execution_provider": result.execution_provider}
+
+
+def response_to_v2(result: EncodeResult, requested: list[str], length: int, model_name: str, request_id: str):
+    response = M["ModelInferResponse"](model_name=model_name, model_version=MODEL_VERSION, id=request_id)
+    for name, array in output_arrays(result, requested, length):
         response.outputs.add(name=name, datatype="FP32", shape=list(array.shape))
-        response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
-    # what Encode's ResponseMetadata says of the run, as response parameters (module docstring)
-    response.parameters["batch_size"].int64_param = result.batch_size
-    response.parameters["batch_sequence_length"].int64_param = result.batch_length
-    response.parameters["execution_provider"].string_param = result.execution_provider
+        response.raw_output_contents.append(array.tobytes())
+    for key, value in response_parameters(result).items():
+        if isinstance(value, str):
+            response.parameters[key].string_param = value
+        else:
+            response.parameters[key].int64_param = value
     return response
+
+
+def grpc_answer(engine: Engine, result: EncodeResult, requested: list[str], length: int, request_id: str) -> bytes:
+    """ModelInfer's answer over gRPC: the serialised ModelInferResponse."""
+    return response_to_v2(result, requested, length, engine.name, request_id).SerializeToString()
 
 
 def check_version(name: str, version: str, error: type = ValidationError) -> None:
@@ -412,15 +433,16 @@ class KServeServicer:
             server_version = version("onnx-encoder-service")
         except PackageNotFoundError:
             server_version = "0.1.0"
-        return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version, extensions=["parameters"])
+        return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version, extensions=EXTENSIONS)
 
     def ModelMetadata(self, request, context):
         with Call(self._metrics, "v2.ModelMetadata", context):
             return model_metadata(self._model(request.name, request.version, context))
 
-    def start_infer(self, rpc, request) -> None:
+    def start_infer(self, rpc, request, answer: Callable[..., object] = grpc_answer) -> None:
         """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered
-        from the batcher's thread once its batch has run."""
+        from the batcher's thread once its batch has run, by `answer(engine, result, outputs, length,
+        id)` (gRPC: protobuf bytes; REST, serve/protocols/kserve_rest.py: its JSON or binary body)."""
         asked = {}  # the outputs and padded length the answer takes (request_from_v2)
 
         def submit():
@@ -429,8 +451,7 @@ class KServeServicer:
             return engine, engine.submit(ours, rpc.deadline)
 
         start_call(self._metrics, "v2.ModelInfer", rpc, submit,
-                   lambda engine, result, call: response_to_v2(result, asked["outputs"], asked["length"],
-                                                              engine.name, request.id).SerializeToString())
+                   lambda engine, result, call: answer(engine, result, asked["outputs"], asked["length"], request.id))
 
 
 def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> "KServeServicer":
