@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--front-end", action="store_true",
                         help="only the front end's cost per protocol (bench/front_end.py: Encode vs KServe v2, "
                              "32 clients, default flags), into bench-results/front_end.json")
+    parser.add_argument("--models", action="store_true",
+                        help="only many models on one host (bench/models_bench.py: the default encoder and MiniLM, "
+                             "two processes vs one server, share and quiet-model p50), into bench-results/models.json")
     args = parser.parse_args(argv)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     long_out = str(Path(args.out).with_name("long.json"))
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return front_end.main(["--export-dir", args.export_dir or "exports/default",
                                "--out", str(Path(args.out).with_name("front_end.json")),
                                *(["--rounds", "1", "--seconds", "3"] if args.quick else [])])
+    if args.models:
+        from bench import models_bench
+
+        return models_bench.main(["--out", str(Path(args.out).with_name("models.json")),
+                                  *(["--quick"] if args.quick else [])])
     if args.long:
         report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say)
         print(report["table"])

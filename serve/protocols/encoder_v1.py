@@ -90,6 +90,24 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
 
 
 _DRAINING = object()  # EncodeStream: the server began to drain
+
+
+class _Message:
+    """One EncodeStream message as admission counts a call (`add_callback`): in flight until `end()`."""
+
+    __slots__ = ("_callbacks",)
+
+    def __init__(self) -> None:
+        self._callbacks: list = []
+
+    def add_callback(self, callback) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 ENCODE = f"/{pb.DESCRIPTOR.services_by_name['EncoderService'].full_name}/Encode"
 
 
@@ -134,8 +152,16 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     started = time.monotonic()
                     with admitting:
                         try:
-                            engine = self._engine(model=msg.model)
-                            ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
+                            # each message counts against its model until answered, so an unload or a
+                            # reload of that model waits for it (serve/core/admission.py wait_engine)
+                            message = _Message()
+                            engine = self._engine(message, model=msg.model)
+                            try:
+                                ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
+                            except Exception:
+                                message.end()
+                                raise
+                            ticket.add_done_callback(lambda _, message=message: message.end())
                             tickets.append(ticket)
                             pending.put((started, (engine, ticket), None, msg.request_id))
                         except Exception as error:
