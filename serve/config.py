@@ -62,7 +62,10 @@ class ServerConfig:
     # Batches run at once, each by its own batcher thread on the one shared session (ONNX Runtime's
     # Run is thread-safe). 2 x 1 thread on a busy 2-core host wastes less CPU in intra-op hand-offs
     # than 1 x 2 (docs/performance.md, against Triton); a lone request then runs on fewer threads.
-    instances: int = 1
+    # These are the server's run slots, shared by every model (serve/core/scheduler.py). 0: one for
+    # --export-dir; for a repository, one per model found at start (at most one per CPU), so models
+    # flooded together each run with their share of the CPUs instead of fighting over all of them.
+    instances: int = 0
     max_batch_size: int = 32  # rows per session.run
     max_batch_tokens: int = 16384  # rows x padded length per session.run
     # How long the first queued request waits for company. 0: no added wait; requests that arrive
@@ -115,7 +118,7 @@ class ServerConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",
-                     "max_request_bytes", "max_response_bytes", "workers", "instances"):
+                     "max_request_bytes", "max_response_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sequences_per_request > self.max_batch_size:
@@ -144,6 +147,8 @@ class ServerConfig:
             raise ValueError(f"split_overhead_tokens must be >= 0, or -1 to measure it, got {self.split_overhead_tokens}")
         if self.max_attention_bytes < 0 or self.max_sequence_length < 0:
             raise ValueError("max_attention_bytes and max_sequence_length must be >= 0 (0: derived)")
+        if self.instances < 0:
+            raise ValueError(f"instances must be >= 0 (0: one per model), got {self.instances}")
         if self.memory_budget_mb < 0:
             raise ValueError(f"memory_budget_mb must be >= 0 (0: a share of memory), got {self.memory_budget_mb}")
         if self.max_request_tokens < 0:

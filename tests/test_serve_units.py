@@ -432,8 +432,8 @@ def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir)
             feeds = {name: feeds[name] for name in (i.name for i in backend.session.get_inputs())}
             for narrow, wide in zip(backend.encode(feeds), backend.encode(feeds, wide=True)):
                 np.testing.assert_allclose(wide, narrow, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="instances must be >= 1"):
-        ServerConfig(instances=0)
+    with pytest.raises(ValueError, match="instances must be >= 0"):
+        ServerConfig(instances=-1)
 
 
 class ShapeRecordingBackend(FakeBackend):
@@ -611,3 +611,51 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env=repo_env())
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+# --- the scheduler: the server's run slots, shared by every model (serve/core/scheduler.py) ----------
+def _acquire_in_thread(scheduler, oldest, model):
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: scheduler.acquire(oldest, model=model) and got.set(), daemon=True)
+    thread.start()
+    return got, thread
+
+
+def test_a_model_with_no_run_going_starts_one_at_once_even_when_another_holds_every_slot():
+    from serve.core.scheduler import Scheduler
+    from tests.reliability_common import wait_until
+
+    scheduler = Scheduler(1)
+    assert scheduler.acquire(1.0, model="flooded")
+    second, _ = _acquire_in_thread(scheduler, 2.0, "flooded")  # its second run waits for the slot
+    assert wait_until(lambda: scheduler.busy() == (1, 1), 10)
+    quiet, _ = _acquire_in_thread(scheduler, 3.0, "quiet")  # younger, yet runs at once: no run of its own
+    assert quiet.wait(10) and not second.is_set()
+    scheduler.release("quiet")
+    scheduler.release("flooded")
+    assert second.wait(10)
+    scheduler.release("flooded")
+    assert scheduler.busy() == (0, 0)
+
+
+def test_a_freed_slot_goes_to_the_waiter_with_the_oldest_request():
+    from serve.core.scheduler import Scheduler
+    from tests.reliability_common import wait_until
+
+    class Granted(dict):  # the runs-per-model table, recording each grant in order (under the lock)
+        def __setitem__(self, model, runs):
+            grants.append(model)
+            super().__setitem__(model, runs)
+
+    grants: list[str] = []
+    scheduler = Scheduler(2)
+    scheduler._by_model = Granted()
+    assert scheduler.acquire(0.0, model="a") and scheduler.acquire(0.5, model="b")
+    threading.Thread(target=scheduler.acquire, args=(9.0,), kwargs={"model": "a"}, daemon=True).start()
+    assert wait_until(lambda: scheduler.busy() == (2, 1), 10)
+    threading.Thread(target=scheduler.acquire, args=(1.0,), kwargs={"model": "b"}, daemon=True).start()
+    assert wait_until(lambda: scheduler.busy() == (2, 2), 10)
+    assert grants == ["a", "b"]  # both models run already and the slots are full: both wait
+    scheduler.release("a")  # the older request ("b") runs first; then "a", with no run left, at once
+    assert wait_until(lambda: scheduler.busy() == (3, 0), 10)
+    assert grants == ["a", "b", "b", "a"]

@@ -26,6 +26,7 @@ process grew by while loading it (loads run one at a time), reported in GetModel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -79,6 +80,16 @@ def refused(what: str, error: ServeError) -> ServeError:
     return (TooLarge if isinstance(error, TooLarge) else ModelRefused)(f"{what}: {error.message}")
 
 
+def run_slots(config: ServerConfig, root: Path | None) -> int:
+    """ServerConfig.instances, or by default: one for --export-dir; for a repository, one per model
+    found at start, at most one per CPU this process may run on."""
+    if config.instances:
+        return config.instances
+    if root is None or not root.is_dir():
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), len(scan(root))))
+
+
 def resident_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
@@ -120,7 +131,10 @@ class ModelRepository:
         self._backend_factory = backend_factory
         self._swap = swap or admission.swap
         self.root = Path(config.model_repository) if config.model_repository else None
-        self.scheduler = Scheduler(config.instances)  # every model's run slots (serve/core/scheduler.py)
+        # the run slots (ServerConfig.instances; 0: one per model found at start): every model's
+        # sessions and batchers are built for them (serve/core/scheduler.py)
+        self.config = config = dataclasses.replace(config, instances=run_slots(config, self.root))
+        self.scheduler = Scheduler(config.instances)
         limit = config.memory_budget_mb << 20 if config.memory_budget_mb else int(available_memory() * MEMORY_SHARE)
         self.budget = MemoryBudget(limit)
         self._lock = threading.Lock()  # one load, unload or reload at a time

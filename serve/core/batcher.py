@@ -253,12 +253,12 @@ class Batcher:
                 if not self._queue:  # another worker took it meanwhile
                     continue
                 oldest = self._queue[0].enqueued
-            if not self.scheduler.acquire(oldest, lambda: self._stopping):
+            if not self.scheduler.acquire(oldest, lambda: self._stopping, model=self):
                 return None
             batch = self._form(worker)
             if batch:
                 return batch
-            self.scheduler.release()  # everything queued had ended meanwhile
+            self.scheduler.release(self)  # everything queued had ended meanwhile
 
     def _form(self, worker: int) -> list[Ticket]:
         """Takes the batch from the head of the queue (the caller holds a run slot)."""
@@ -302,7 +302,7 @@ class Batcher:
                            requests=len(batch))
                 self._isolate([t for t in batch if not t.done()], error, worker)
             finally:
-                self.scheduler.release()
+                self.scheduler.release(self)
                 with self._cond:
                     self._running.pop(worker, None)
                     self._alone.pop(worker, None)
