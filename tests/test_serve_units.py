@@ -644,18 +644,46 @@ def test_a_freed_slot_goes_to_the_waiter_with_the_oldest_request():
 
     class Granted(dict):  # the runs-per-model table, recording each grant in order (under the lock)
         def __setitem__(self, model, runs):
-            grants.append(model)
+            if runs > self.get(model, 0):
+                grants.append(model)
             super().__setitem__(model, runs)
 
     grants: list[str] = []
-    scheduler = Scheduler(2)
+    scheduler = Scheduler(3)
     scheduler._by_model = Granted()
-    assert scheduler.acquire(0.0, model="a") and scheduler.acquire(0.5, model="b")
+    for oldest, model in ((0.0, "a"), (0.1, "b"), (0.2, "c")):
+        assert scheduler.acquire(oldest, model=model)
     threading.Thread(target=scheduler.acquire, args=(9.0,), kwargs={"model": "a"}, daemon=True).start()
-    assert wait_until(lambda: scheduler.busy() == (2, 1), 10)
+    assert wait_until(lambda: scheduler.busy() == (3, 1), 10)
     threading.Thread(target=scheduler.acquire, args=(1.0,), kwargs={"model": "b"}, daemon=True).start()
-    assert wait_until(lambda: scheduler.busy() == (2, 2), 10)
-    assert grants == ["a", "b"]  # both models run already and the slots are full: both wait
-    scheduler.release("a")  # the older request ("b") runs first; then "a", with no run left, at once
+    assert wait_until(lambda: scheduler.busy() == (3, 2), 10)
+    scheduler.release("c")  # one slot: the older request ("b") takes it
+    assert wait_until(lambda: scheduler.busy() == (3, 1), 10)
+    assert grants == ["a", "b", "c", "b"]
+    scheduler.release("b")
     assert wait_until(lambda: scheduler.busy() == (3, 0), 10)
-    assert grants == ["a", "b", "b", "a"]
+    assert grants == ["a", "b", "c", "b", "a"]
+
+
+def test_while_another_model_is_active_a_model_leaves_it_one_slot():
+    from serve.core.scheduler import Scheduler
+    from tests.reliability_common import wait_until
+
+    scheduler = Scheduler(2, active_s=3600)  # "recently" spans the whole test
+    assert scheduler.acquire(0.0, model="alone")
+    assert scheduler.acquire(0.1, model="alone")  # no other model: it takes every slot
+    scheduler.release("alone")
+    scheduler.release("alone")
+    assert scheduler.acquire(0.2, model="quiet")  # the quiet model asks once, runs, and is done
+    scheduler.release("quiet")
+    assert scheduler.acquire(0.3, model="alone")
+    stop = threading.Event()
+    second = threading.Event()
+    threading.Thread(target=lambda: scheduler.acquire(0.4, stop.is_set, model="alone") and second.set(),
+                     daemon=True).start()
+    assert wait_until(lambda: scheduler.busy() == (1, 1), 10)  # a slot is free, and kept for "quiet"
+    assert scheduler.acquire(0.5, model="quiet")  # which finds it at once
+    assert not second.is_set()
+    stop.set()
+    scheduler.wake()
+    assert wait_until(lambda: scheduler.busy() == (2, 0), 10) and not second.is_set()

@@ -229,6 +229,7 @@ class Batcher:
             self._queue.clear()
             self._cond.notify_all()
         self.scheduler.wake()  # a worker waiting for a run slot gives up
+        self.scheduler.forget(self)
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout)
@@ -284,7 +285,7 @@ class Batcher:
                 self._running[worker] = batch
                 # alone: no other batch runs or waits, in this model or another, so it may use every
                 # CPU (Backend.has_wide)
-                self._alone[worker] = len(self._running) == 1 and not self._queue and self.scheduler.alone()
+                self._alone[worker] = len(self._running) == 1 and not self._queue and self.scheduler.alone(self)
             self._observe(queue_depth=len(self._queue))
             self._cond.notify_all()
             return batch
