@@ -10,6 +10,7 @@ then measure the backend's cost per session.run for the batcher's length-sorted 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -88,6 +89,8 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
     """A started engine for `export_dir` that passed every check, and its warm-up seconds. `name`: what
     it is served as (default: the export's name); `scheduler`: the server's run slots, shared by every
     model (serve/core/scheduler.py)."""
+    if not config.instances:  # 0: one run slot per model, resolved by the repository; alone: one
+        config = dataclasses.replace(config, instances=1)
     export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
     backend = backend_factory(export, config)
     budget = AttentionBudget(export.config, backend.info.paths, config.max_attention_bytes or default_budget())

@@ -110,7 +110,7 @@ class OnnxRuntimeBackend:
         # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
         # With `instances` batches running at once, each gets its share of the CPUs.
         cpus = len(os.sched_getaffinity(0))
-        options.intra_op_num_threads = int(intra_op_threads) or max(1, cpus // instances)
+        options.intra_op_num_threads = int(intra_op_threads) or max(1, cpus // max(1, instances))
         self.session = self._load(ort, export.graph_path, options, providers, device)
         # With instances sharing the CPUs, a batch that runs alone (no other batch running, none queued:
         # a lone client) gets a second session of the dense graph on every CPU, so instances cost a lone
