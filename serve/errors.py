@@ -38,6 +38,13 @@ def quote(value: object, limit: int = QUOTE_CHARS) -> str:
     return text if len(text) <= limit else clip(text, limit)
 
 
+def listing(names, most: int) -> str:
+    """Names for a message: each as `quote` shows it, at most `most` of them, then "and N more"."""
+    names = list(names)
+    shown = ", ".join(quote(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     """`message` cut to at most `limit` UTF-8 bytes (plus a note saying so)."""
     data = message.encode("utf-8", "backslashreplace")

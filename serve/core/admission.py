@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from serve.core.engine import Engine
-from serve.errors import NotFound, Unavailable, ValidationError, quote
+from serve.errors import NotFound, Unavailable, ValidationError, listing, quote
 
 NOT_SERVING = "; not serving (health NOT_SERVING), retry later or on another replica"
 LIST_NAMES = 8  # model names a message lists before "and N more"
@@ -21,9 +21,7 @@ LIST_NAMES = 8  # model names a message lists before "and N more"
 
 def names(engines) -> str:
     """The served model names for a message: sorted, at most LIST_NAMES of them."""
-    listed = sorted(engines)
-    shown = ", ".join(repr(n) for n in listed[:LIST_NAMES])
-    return shown + (f" and {len(listed) - LIST_NAMES} more" if len(listed) > LIST_NAMES else "")
+    return listing(sorted(engines), LIST_NAMES)
 
 
 class Admission:

@@ -43,7 +43,7 @@ from model.mask_kinds import MaskKind
 from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
 from serve.protocols.edge import Call, start_call
 from serve.core.engine import Engine
-from serve.errors import ServeError, ValidationError, clip, quote
+from serve.errors import ServeError, ValidationError, clip, listing, quote
 from serve.core.metrics import Metrics
 from serve.protocols.pb import kserve_descriptors
 from serve.protocols.tensors import array_from_bytes, check_shape
@@ -217,9 +217,7 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[
 
 def _names(names) -> str:
     """Client-supplied names for a message: each clipped, at most LIST_NAMES of them."""
-    names = list(names)
-    shown = ", ".join(quote(n) for n in names[:LIST_NAMES])
-    return shown + (f" and {len(names) - LIST_NAMES} more" if len(names) > LIST_NAMES else "")
+    return listing(names, LIST_NAMES)
 
 
 def _check_inputs(msg, known: set[str]) -> None:
