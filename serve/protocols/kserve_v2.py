@@ -402,12 +402,13 @@ class KServeServicer:
         self._engine = engine
         self._metrics = metrics
 
-    def _ready_engine(self, model: str | None = None) -> Engine | None:
-        """The engine serving `model` (None: whether the server serves), or None when not ready."""
+    def _ready(self, model: str | None = None) -> bool:
+        """Whether `model` is served (None: whether the server serves at all)."""
         try:
-            return self._engine(model=model) if model is not None else self._engine(model=None) or True
+            self._engine(model=model)
         except ServeError:
-            return None
+            return False
+        return True
 
     def _model(self, name: str, version: str, context: grpc.ServicerContext) -> Engine:
         check_version(name, version)
@@ -417,11 +418,11 @@ class KServeServicer:
         return M["ServerLiveResponse"](live=True)
 
     def ServerReady(self, request, context):
-        return M["ServerReadyResponse"](ready=self._ready_engine() is not None)
+        return M["ServerReadyResponse"](ready=self._ready())
 
     def ModelReady(self, request, context):
         ready = (request.version in ("", MODEL_VERSION) and bool(request.name)
-                 and self._ready_engine(request.name) is not None)
+                 and self._ready(request.name))
         return M["ModelReadyResponse"](ready=ready)
 
     def ServerMetadata(self, request, context):
