@@ -29,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import grpc
+    import numpy as np
     import onnxruntime as ort
 
     from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
-    from serve.backend.feeds import Row, pad_batch
+    from serve.backend.feeds import Rows, pad_batch
     from serve.protocols.pb import pb, pb_grpc
     from serve.protocols.tensors import from_numpy, to_numpy
 
@@ -50,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     class Bare(pb_grpc.EncoderServiceServicer):
         def Encode(self, request, context):
             ids = to_numpy(request.sequences[0], "sequences[0]")
-            row = Row(ids, int(MaskKind.BIDIRECTIONAL), False, 0, 1, None)
-            pooled = session.run(["mean_pooled"], pad_batch([row], row.length, config))[0]
+            rows = Rows(ids.astype(np.int64)[None], np.array([len(ids)]), int(MaskKind.BIDIRECTIONAL))
+            pooled = session.run(["mean_pooled"], pad_batch([(rows, None)], len(ids), config))[0]
             response = pb.EncodeResponse(request_id=request.request_id)
             response.results.add().embedding.CopyFrom(from_numpy(pooled[0]))
             return response

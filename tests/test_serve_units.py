@@ -24,6 +24,7 @@ from serve.backend.session import BackendInfo
 from serve.core.batch_plan import RunCost
 from serve.core.batcher import Batcher
 from serve.config import ServerConfig, load_config
+from serve.backend.feeds import pad_batch
 from serve.core.requests import EncodeRequest, Limits, MaskChoice, to_rows
 from serve.backend.export_dir import ExportError, load_export
 from serve.protocols.pb import pb
@@ -158,27 +159,51 @@ def test_rows_carry_their_own_mask_choice():
     request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])),
                             MaskChoice(MaskKind.LOCAL_STRIDED, causal=True, window=1, step=2))
     rows = to_rows(request, CONFIG, Limits(4, 32))
-    assert [(r.length, r.kind, r.causal, r.window, r.step) for r in rows] == [(3, 4, True, 1, 2), (1, 4, True, 1, 2)]
-    assert rows[1].inputs.dtype == np.int64
+    assert (rows.kind, rows.causal, rows.window, rows.step) == (4, True, 1, 2)
+    assert rows.lengths.tolist() == [3, 1] and len(rows) == 2
+
+
+def test_rows_are_one_block_padded_with_the_pad_id():
+    request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])))
+    rows = to_rows(request, CONFIG, Limits(4, 32))
+    pad = CONFIG.pad_token_id
+    assert rows.block.dtype == np.int64
+    np.testing.assert_array_equal(rows.block, [[1, 2, 3], [4, pad, pad]])
+
+
+def test_what_lies_past_a_rows_length_in_a_sent_block_becomes_padding():
+    block = np.int64([[1, 2, 3], [4, -7, 10**9]])  # out-of-vocabulary ids past row 1's length
+    rows = to_rows(EncodeRequest(block, lengths=np.int64([3, 1])), CONFIG, Limits(4, 32))
+    np.testing.assert_array_equal(rows.block[1], [4, CONFIG.pad_token_id, CONFIG.pad_token_id])
+    with pytest.raises(errors.ValidationError, match=r"sequences\[1\]: token id -7 out of range"):
+        to_rows(EncodeRequest(block, lengths=np.int64([3, 2])), CONFIG, Limits(4, 32))
 
 
 def test_a_custom_mask_padded_to_the_longest_sequence_serves_sequences_of_unequal_length():
     custom = np.random.default_rng(0).random((2, 5, 5)) < 0.5
     request = EncodeRequest((np.int64([1, 2, 3, 4, 5]), np.int64([6, 7, 8])), MaskChoice(MaskKind.CUSTOM, custom=custom))
     rows = to_rows(request, CONFIG, Limits(4, 32))
-    np.testing.assert_array_equal(rows[0].custom, custom[0])
-    np.testing.assert_array_equal(rows[1].custom, custom[1, :3, :3])  # entries past length 3 are ignored
+    np.testing.assert_array_equal(rows.custom[0], custom[0])
+    np.testing.assert_array_equal(rows.custom[1, :3, :3], custom[1, :3, :3])
+    assert not rows.custom[1, 3:].any() and not rows.custom[1, :, 3:].any()  # entries past length 3 are ignored
     for shape in ((2, 4, 4), (2, 6, 6), (3, 5, 5)):
         bad = EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.ones(shape, bool)))
         with pytest.raises(errors.ValidationError, match=r"must be \[2, 5, 5\]: one matrix per sequence"):
             to_rows(bad, CONFIG, Limits(4, 32))
     # the exact forms still hold: [T, T] for sequences all of length T, [B, T, T] of equal lengths
     same = (np.int64([1, 2, 3]), np.int64([4, 5, 6]))
-    assert all(r.custom.shape == (3, 3) for r in to_rows(
-        EncodeRequest(same, MaskChoice(MaskKind.CUSTOM, custom=np.eye(3, dtype=bool))), CONFIG, Limits(4, 32)))
+    assert to_rows(EncodeRequest(same, MaskChoice(MaskKind.CUSTOM, custom=np.eye(3, dtype=bool))), CONFIG,
+                   Limits(4, 32)).custom.shape == (2, 3, 3)
     with pytest.raises(errors.ValidationError, match=r"needs \[3, 3\].*\[B, Tmax, Tmax\]"):
         to_rows(EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.eye(5, dtype=bool))),
                 CONFIG, Limits(4, 32))
+
+
+def test_a_request_that_fills_its_run_is_fed_its_own_block():
+    rows = to_rows(EncodeRequest(np.int64([[1, 2], [3, 4]])), CONFIG, Limits(4, 32))
+    feeds = pad_batch([(rows, None)], 2, CONFIG)
+    assert np.shares_memory(feeds["input_ids"], rows.block)
+    assert feeds["custom_mask"].all() and feeds["custom_mask"].shape == (2, 2, 2)
 
 
 # --- export directory --------------------------------------------------------------------------
@@ -248,6 +273,18 @@ def test_batcher_groups_concurrent_requests_and_unpads_each_result():
         assert result.batch_size == 3 and result.batch_length == 5
         np.testing.assert_array_equal(result.outputs[0].hidden_states[:, 0], np.arange(1, n + 1))
         assert result.outputs[0].embedding[0] == pytest.approx((n + 1) / 2)
+    batcher.stop(5)
+
+
+def test_a_request_that_ran_as_one_piece_is_answered_with_views_of_the_runs_output():
+    backend = FakeBackend()
+    outputs = []
+    encode = backend.encode
+    backend.encode = lambda batch: outputs.append(encode(batch)) or outputs[-1]
+    batcher = _batcher(backend)
+    result = _submit(batcher, [1, 2, 3]).wait(5)
+    assert np.shares_memory(result.hidden_states, outputs[0][0])
+    assert np.shares_memory(result.embeddings, outputs[0][1])
     batcher.stop(5)
 
 

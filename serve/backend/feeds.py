@@ -1,6 +1,12 @@
-"""A batch's graph inputs: the one function that builds them (`pad_batch`) from validated rows.
+"""A request's rows in batch form (`Rows`), and the one function that builds a run's graph inputs
+from them (`pad_batch`).
 
-The batcher calls it for every session.run, the backend for warm-up and the start-up probe.
+A request's sequences are held as one right-padded block with each row's length, as KServe v2 sends
+them and as ONNX Runtime takes them: a run that is exactly one request's block is fed that block
+itself, and a run of several requests' rows copies each request's rows in one slice assignment. No
+per-row objects, no per-row loops except for custom masks of unequal-length rows.
+
+The batcher calls `pad_batch` for every session.run, the backend for warm-up and the start-up probe.
 """
 
 from __future__ import annotations
@@ -14,55 +20,114 @@ from model.attention_paths import DENSE, RowMask
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 
+ONES_CACHE = 8  # all-true custom masks kept per (rows, length) shape: read-only, fed as is
 
-@dataclass(frozen=True)
-class Row:
-    """One sequence of a request, as the batcher pads it into a batch."""
 
-    inputs: np.ndarray  # int64 [T] or float32 [T, D]
-    kind: int
-    causal: bool
-    window: int
-    step: int
-    custom: np.ndarray | None  # bool [T, T] for custom rows
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """A request's sequences as the batcher runs them: one block and each row's length. The mask is
+    the request's (every row shares it); each row's attention path is decided once, at admission."""
+
+    block: np.ndarray  # int64 [n, T] token ids (pad id past each length) or float32 [n, T, D] (zeros)
+    lengths: np.ndarray  # int64 [n]: row i is block[i, :lengths[i]]
+    kind: int = int(MaskKind.BIDIRECTIONAL)
+    causal: bool = False
+    window: int = 0
+    step: int = 1
+    custom: np.ndarray | None = None  # bool [n, T, T] (kind=custom): False past each row's length
+    paths: tuple[tuple[str, np.ndarray], ...] = ()  # (path, row indices) per path; (): every row dense
+    attention_bytes: int = 0  # their attention's estimated memory (serve/core/attention_budget.py)
+
+    def __len__(self) -> int:
+        return int(self.block.shape[0])
 
     @functools.cached_property
-    def length(self) -> int:  # read for every row at every step: kept once computed
-        return int(self.inputs.shape[0])
+    def longest(self) -> int:
+        return int(self.lengths.max())
+
+    @functools.cached_property
+    def full(self) -> bool:
+        """Every row fills the block: the block is its own padded batch."""
+        return int(self.lengths.min()) == self.block.shape[1]
 
     @property
     def mask(self) -> RowMask:
         return RowMask(MaskKind(self.kind), self.window, self.step)
 
+    def by_path(self) -> tuple[tuple[str, np.ndarray], ...]:
+        return self.paths or ((DENSE, np.arange(len(self))),)
 
-def pad_batch(rows: list[Row], length: int, config: EncoderConfig, path: str = DENSE) -> dict[str, np.ndarray]:
-    """The graph's inputs for `rows` on attention `path`, right-padded to `length` (padding is masked
+
+_ones: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _all_allowed(rows: int, length: int) -> np.ndarray:
+    """A read-only all-true [rows, length, length] custom mask (no row of the run has its own)."""
+    key = (rows, length)
+    ones = _ones.get(key)
+    if ones is None:
+        if len(_ones) >= ONES_CACHE:
+            _ones.clear()
+        ones = np.ones((rows, length, length), bool)
+        ones.flags.writeable = False
+        _ones[key] = ones
+    return ones
+
+
+def _per_row(values: list, counts: list[int], dtype) -> np.ndarray:
+    """Each piece's one value, once per row of the piece."""
+    if len(values) == 1:
+        return np.full(counts[0], values[0], dtype)
+    return np.repeat(np.array(values, dtype), counts)
+
+
+def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config: EncoderConfig,
+              path: str = DENSE) -> dict[str, np.ndarray]:
+    """The graph's inputs for `pieces` (each a request's Rows and the indices of its rows in this run,
+    None: all of them, in order) on attention `path`, right-padded to `length` (padding is masked
     out). Only the dense graph takes the [B, T, T] custom mask."""
-    n = len(rows)
-    if config.input_kind == "tokens":
-        first_name = "input_ids"
-        first = np.full((n, length), config.pad_token_id, np.int64)
+    if len(pieces) == 1 and pieces[0][1] is None and pieces[0][0].block.shape[1] == length:
+        rows = pieces[0][0]  # one whole request of the run's width: its block is the batch
+        first, lengths = rows.block, rows.lengths
+        counts = [len(rows)]
     else:
-        first_name = "inputs_embeds"
-        first = np.zeros((n, length, config.d_model), np.float32)
-    attention = np.zeros((n, length), np.int64)
-    custom = np.ones((n, length, length), bool) if path == DENSE else None
-    for b, row in enumerate(rows):
-        first[b, : row.length] = row.inputs
-        attention[b, : row.length] = 1
-        if row.custom is not None:
-            custom[b] = False
-            custom[b, : row.length, : row.length] = row.custom
+        counts = [len(rows) if index is None else len(index) for rows, index in pieces]
+        n = sum(counts)
+        if config.input_kind == "tokens":
+            first = np.full((n, length), config.pad_token_id, np.int64)
+        else:
+            first = np.zeros((n, length, config.d_model), np.float32)
+        lengths = np.empty(n, np.int64)
+        at = 0
+        for (rows, index), count in zip(pieces, counts):
+            width = min(length, rows.block.shape[1])
+            block = rows.block[:, :width] if index is None else rows.block[index, :width]
+            first[at:at + count, :width] = block
+            lengths[at:at + count] = rows.lengths if index is None else rows.lengths[index]
+            at += count
+    n = len(lengths)
     feeds = {
-        first_name: first,
-        "attention_mask": attention,
-        "mask_kind": np.array([r.kind for r in rows], np.int64),
-        "mask_causal": np.array([r.causal for r in rows], bool),
-        "mask_window": np.array([r.window for r in rows], np.int64),
-        "mask_step": np.array([max(r.step, 1) for r in rows], np.int64),
+        "input_ids" if config.input_kind == "tokens" else "inputs_embeds": first,
+        "attention_mask": (np.arange(length) < lengths[:, None]).astype(np.int64),
+        "mask_kind": _per_row([rows.kind for rows, _ in pieces], counts, np.int64),
+        "mask_causal": _per_row([rows.causal for rows, _ in pieces], counts, bool),
+        "mask_window": _per_row([rows.window for rows, _ in pieces], counts, np.int64),
+        "mask_step": _per_row([max(rows.step, 1) for rows, _ in pieces], counts, np.int64),
     }
-    if custom is not None:
-        feeds["custom_mask"] = custom
+    if path == DENSE:
+        if all(rows.custom is None for rows, _ in pieces):
+            feeds["custom_mask"] = _all_allowed(n, length)
+        else:
+            custom = np.ones((n, length, length), bool)
+            at = 0
+            for (rows, index), count in zip(pieces, counts):
+                if rows.custom is not None:  # False past each row's length (Rows.custom)
+                    width = min(length, rows.custom.shape[1])
+                    block = rows.custom if index is None else rows.custom[index]
+                    custom[at:at + count] = False
+                    custom[at:at + count, :width, :width] = block[:, :width, :width]
+                at += count
+            feeds["custom_mask"] = custom
     if config.type_vocab_size:
         feeds["token_type_ids"] = np.zeros((n, length), np.int64)
     return feeds

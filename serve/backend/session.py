@@ -20,7 +20,7 @@ from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.signature import OUTPUT_NAMES, input_specs
 from serve import logs
-from serve.backend.feeds import Row, pad_batch
+from serve.backend.feeds import Rows, pad_batch
 from serve.errors import BackendError
 from serve.backend.export_dir import ExportDir
 
@@ -203,5 +203,6 @@ def dummy_batch(config: EncoderConfig, rows: int, length: int, kinds: list[MaskK
     kinds = kinds or [MaskKind.BIDIRECTIONAL] * rows
     shape = (length,) if config.input_kind == "tokens" else (length, config.d_model)
     dtype = np.int64 if config.input_kind == "tokens" else np.float32
-    batch = [Row(np.zeros(shape, dtype), int(kind), False, 1, 2, None) for kind in kinds]
+    lengths = np.array([length])
+    batch = [(Rows(np.zeros((1, *shape), dtype), lengths, int(kind), False, 1, 2), None) for kind in kinds]
     return pad_batch(batch, length, config, path)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve.backend.feeds import Row
 from serve.errors import TooLarge
 
 # The share of the memory this process may use that attention may take by default.
@@ -54,11 +55,11 @@ class AttentionBudget:
     # (length, kind, window, step) -> (path, bytes): each row of every request asks, on the hot path
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def _row(self, row: Row) -> tuple[str, int]:
-        key = (row.inputs.shape[0], row.kind, row.window, row.step)
+    def _row(self, length: int, mask: RowMask) -> tuple[str, int]:
+        """(path, attention bytes) of one row of `length` under `mask`, remembered."""
+        key = (length, mask)
         found = self._memo.get(key)
         if found is None:
-            length, mask = row.length, row.mask
             path = cheapest(length, mask, self.config, self.paths)
             found = (path, attention_bytes(path, 1, length, mask, self.config))
             if len(self._memo) >= MEMO_SIZE:
@@ -66,28 +67,36 @@ class AttentionBudget:
             self._memo[key] = found
         return found
 
-    def path(self, row: Row) -> str:
-        return self._row(row)[0]
+    def path(self, length: int, mask: RowMask) -> str:
+        return self._row(length, mask)[0]
 
-    def row_bytes(self, row: Row) -> int:
-        return self._row(row)[1]
+    def plan(self, lengths: np.ndarray, mask: RowMask) -> tuple[int, tuple[tuple[str, np.ndarray], ...]]:
+        """The estimated attention bytes of rows of `lengths` under `mask`, and the rows grouped by
+        the path each runs on (Rows.paths): asked once per distinct length."""
+        first = int(lengths[0])
+        if len(lengths) == 1 or (lengths == first).all():
+            path, size = self._row(first, mask)
+            return size * len(lengths), ((path, np.arange(len(lengths))),)
+        distinct, where = np.unique(lengths, return_inverse=True)
+        found = [self._row(int(length), mask) for length in distinct]
+        total = int(sum(size * count for (_, size), count in zip(found, np.bincount(where))))
+        by_path: dict[str, list[int]] = {}
+        for k, (path, _) in enumerate(found):
+            by_path.setdefault(path, []).append(k)
+        return total, tuple((path, np.flatnonzero(np.isin(where, ks))) for path, ks in by_path.items())
 
-    def request_bytes(self, rows: tuple[Row, ...]) -> int:
-        return sum(self.row_bytes(row) for row in rows)
-
-    def check(self, rows: tuple[Row, ...]) -> int:
-        """The request's estimated attention bytes; TooLarge (RESOURCE_EXHAUSTED) over the budget."""
-        total = self.request_bytes(rows)
+    def check(self, lengths: np.ndarray, mask: RowMask) -> tuple[int, tuple[tuple[str, np.ndarray], ...]]:
+        """`plan(lengths, mask)`; TooLarge (RESOURCE_EXHAUSTED) when the request is over the budget."""
+        total, paths = self.plan(lengths, mask)
         if total <= self.max_bytes:
-            return total
-        longest = max(rows, key=lambda r: r.length)
-        mask, length = longest.mask, longest.length
-        fits = [kind.label for kind in MaskKind if kind != mask.kind and self._fits(kind, mask, length, len(rows))]
+            return total, paths
+        length, n = int(lengths.max()), len(lengths)
+        fits = [kind.label for kind in MaskKind if kind != mask.kind and self._fits(kind, mask, length, n)]
         hint = (f"; at this length {', '.join(fits)} fit (sliding window {self._example(mask)[0]}, "
                 f"step {self._example(mask)[1]})" if fits else "; send fewer or shorter sequences")
-        many = f"{len(rows)} sequences, " if len(rows) > 1 else ""
+        many = f"{n} sequences, " if n > 1 else ""
         raise TooLarge(
-            f"sequences: attention for {many}{mask.kind.label} at T={length} on the {self.path(longest)} path "
+            f"sequences: attention for {many}{mask.kind.label} at T={length} on the {self.path(length, mask)} path "
             f"needs about {gib(total)}, over max_attention_bytes={self.max_bytes} ({gib(self.max_bytes)}){hint}"
         )
 

@@ -31,7 +31,7 @@ from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost
 from serve.core.scheduler import Scheduler
-from serve.backend.feeds import Row
+from serve.backend.feeds import Rows
 from serve.core.requests import EncodeRequest, EncodeResult
 from serve.core.runs import BatchRunner
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable
@@ -47,12 +47,12 @@ class Ticket:
     __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
                  "_result", "_error", "_callbacks")
 
-    def __init__(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None,
+    def __init__(self, request: EncodeRequest, rows: Rows, deadline: float | None,
                  attention_bytes: int = 0) -> None:
         self.request = request
         self.rows = rows
         self.attention_bytes = attention_bytes  # estimated (serve/core/attention_budget.py)
-        self.length = max(r.length for r in rows)
+        self.length = rows.longest
         self.enqueued = time.monotonic()
         self.deadline = deadline  # time.monotonic() value, or None
         self.cancelled = False
@@ -150,7 +150,7 @@ class Batcher:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request: EncodeRequest, rows: tuple[Row, ...], deadline: float | None = None,
+    def submit(self, request: EncodeRequest, rows: Rows, deadline: float | None = None,
                attention_bytes: int = 0) -> Ticket:
         ticket = Ticket(request, rows, deadline, attention_bytes)
         with self._cond:

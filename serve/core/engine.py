@@ -82,18 +82,18 @@ class Engine:
                 normalize=self.export.default_normalize if request.normalize is None else request.normalize)
         if request.texts:
             request = self._tokenize(request)
-        rows = to_rows(request, self.export.config, self.limits)
-        attention_bytes = self.budget.check(rows)
+        rows = to_rows(request, self.export.config, self.limits, self.budget)  # paths decided here, once
         if request.hidden_states:
-            size = sum(row.length for row in rows) * self.export.config.d_model * 4
+            tokens = int(rows.lengths.sum())
+            size = tokens * self.export.config.d_model * 4
             if size > self.server.max_response_bytes:
                 raise ValidationError(
-                    f"hidden_states: {sum(row.length for row in rows)} tokens of hidden states are {size} bytes, "
+                    f"hidden_states: {tokens} tokens of hidden states are {size} bytes, "
                     f"over max_response_bytes={self.server.max_response_bytes}; ask for hidden_states=false "
                     "(pooled embeddings only), or send the sequences one by one on EncodeStream")
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline expired before the request was admitted")
-        return self.batcher.submit(request, rows, deadline, attention_bytes)
+        return self.batcher.submit(request, rows, deadline, rows.attention_bytes)
 
     def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
         """The request with its texts tokenized into `sequences` (rows like any token ids)."""

@@ -4,8 +4,9 @@ pooling of a chunked text's windows, and of the defaults a request leaves to its
   resolve_pooling   the pooling a request runs with: what it asked, else the model's default
                     (metadata.json "pooling"), "mean" where an embedding is required and the model's
                     default is none (OpenAI's API, v2's `embeddings` output)
-  row_output        one row's SequenceOutput: the pooled embedding (mean from the graph, first token
-                    from the hidden states), L2-normalised when asked (a chunked text: after pooling)
+  request_outputs   a request's hidden states and embeddings, as arrays: the pooled embeddings (mean
+                    from the graph, first token from the hidden states), L2-normalised when asked
+                    (a chunked text: after pooling)
   pool_chunks       one output per chunked text from its windows' rows
   l2_normalize      the one normalisation (every protocol's, Matryoshka's re-normalisation too)
 """
@@ -22,8 +23,10 @@ POOLINGS = ("mean", "first", "none")  # what a request's pooling may be (KServe 
 NORM_FLOOR = 1e-12  # a zero vector stays zero instead of dividing by zero
 
 
-def l2_normalize(vector: np.ndarray) -> np.ndarray:
-    return vector / max(float(np.linalg.norm(vector)), NORM_FLOOR)
+def l2_normalize(vectors: np.ndarray) -> np.ndarray:
+    """Each vector along the last axis divided by its L2 norm (a zero vector stays zero)."""
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return vectors / np.maximum(norms, NORM_FLOOR).astype(vectors.dtype, copy=False)
 
 
 def resolve_pooling(asked: str, default: str, *, field: str = "pooling", embedding: bool = False) -> str:
@@ -37,37 +40,33 @@ def resolve_pooling(asked: str, default: str, *, field: str = "pooling", embeddi
     return asked
 
 
-def row_output(request, hidden: np.ndarray, mean_pooled: np.ndarray):
-    """One row's output for `request` (hidden [T, D] of its own length, the graph's mean [D])."""
-    from serve.core.requests import SequenceOutput
-
-    embedding = None
+def request_outputs(request, hidden: np.ndarray, mean_pooled: np.ndarray
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A request's (hidden states, embeddings) from its rows' hidden [n, T, D] (zeros past each
+    row's length) and the graph's mean [n, D]: what it asked for, nothing else. Embeddings are
+    the mean or the first token, L2-normalised when asked (a chunked text: after pooling, in
+    `pool_chunks`)."""
+    embeddings = None
     if request.pooling == "mean":
-        embedding = mean_pooled
+        embeddings = mean_pooled
     elif request.pooling == "first":
-        embedding = hidden[0]
-    if embedding is not None and request.normalize and not request.chunks:  # chunks: after pooling them
-        embedding = l2_normalize(embedding)
-    return SequenceOutput(hidden if request.hidden_states else None, embedding)
+        embeddings = hidden[:, 0]
+    if embeddings is not None and request.normalize and not request.chunks:
+        embeddings = l2_normalize(embeddings)
+    return (hidden if request.hidden_states else None), embeddings
 
 
 def pool_chunks(result, request):
     """One output per text from its windows' rows: the token-weighted mean of their mean-pooled
     embeddings (each window's mean weighs as many tokens as it holds), normalized after pooling
     when asked. Token counts are per text, summed over its windows (overlaps counted in each)."""
-    from serve.core.requests import SequenceOutput
-
-    outputs, counts, paths, row = [], [], [], 0
-    for n in request.chunks:
-        rows = range(row, row + n)
-        weights = np.array([result.token_counts[r] for r in rows], np.float64)
-        stacked = np.stack([result.outputs[r].embedding for r in rows]).astype(np.float64)
-        embedding = (weights[:, None] * stacked).sum(0) / weights.sum()
-        if request.normalize:
-            embedding = l2_normalize(embedding)
-        outputs.append(SequenceOutput(None, embedding.astype(np.float32)))
-        counts.append(int(weights.sum()))
-        paths.append(result.attention_paths[row] if result.attention_paths else "")
-        row += n
-    return dataclasses.replace(result, outputs=tuple(outputs), token_counts=tuple(counts),
-                               attention_paths=tuple(paths), chunks=request.chunks)
+    counts = np.asarray(result.token_counts, np.float64)
+    starts = np.concatenate([[0], np.cumsum(request.chunks)[:-1]])
+    weights = np.add.reduceat(counts, starts)
+    embeddings = np.add.reduceat(counts[:, None] * result.embeddings.astype(np.float64), starts) / weights[:, None]
+    if request.normalize:
+        embeddings = l2_normalize(embeddings)
+    paths = tuple(result.attention_paths[s] for s in starts.tolist()) if result.attention_paths else ()
+    return dataclasses.replace(result, hidden_states=None, embeddings=embeddings.astype(np.float32),
+                               token_counts=tuple(int(w) for w in weights), attention_paths=paths,
+                               chunks=request.chunks)

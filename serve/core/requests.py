@@ -5,13 +5,15 @@ The servicer converts protobuf into these; the batcher runs them. No gRPC, no pr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from model.config import EncoderConfig
+from model.attention_paths import RowMask
 from model.mask_kinds import MaskKind
-from serve.backend.feeds import Row
+from serve.backend.feeds import Rows
 from serve.errors import ValidationError
 
 
@@ -27,8 +29,8 @@ class MaskChoice:
 
 @dataclass(frozen=True)
 class EncodeRequest:
-    # int64/int32 [T] token ids, or float32 [T, d_model] features; or, rows of one length, the one array
-    # [B, T] / [B, T, d_model] they came in (KServe v2's tensor as sent: checked at once, never cut up)
+    # int64/int32 [T] token ids, or float32 [T, d_model] features; or the one array [B, T] /
+    # [B, T, d_model] they came in (KServe v2's tensor as sent: checked at once, never cut up)
     sequences: tuple[np.ndarray, ...] | np.ndarray
     mask: MaskChoice = field(default_factory=MaskChoice)
     hidden_states: bool = False
@@ -40,18 +42,26 @@ class EncodeRequest:
     truncated: tuple[bool, ...] = ()  # texts only, set by the Engine: which texts were cut
     chunk: bool = False  # texts only: encode a long text as overlapping windows, pooled (serve/core/text.py)
     chunks: tuple[int, ...] = ()  # texts only, set by the Engine with chunk: rows (windows) per text
+    # with an array: each row's length (right padding; what lies past it is ignored); None: all T
+    lengths: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class SequenceOutput:
-    hidden_states: np.ndarray | None  # float32 [T, D]
+    """One row of a result (EncodeResult.outputs): views of the result's arrays."""
+
+    hidden_states: np.ndarray | None  # float32 [T, D] of the row's own length
     embedding: np.ndarray | None  # float32 [D]
 
 
 @dataclass(frozen=True)
 class EncodeResult:
+    """A request's answer in batch form: one array per output, views of the run's output where the
+    request ran as one piece of one run (serve/core/runs.py)."""
+
     request_id: str
-    outputs: tuple[SequenceOutput, ...]
+    hidden_states: np.ndarray | None  # float32 [B, T, D], T the longest row; zeros past each row's length
+    embeddings: np.ndarray | None  # float32 [B, D] (pooled, normalised when asked)
     queue_s: float
     inference_s: float
     batch_size: int
@@ -61,6 +71,17 @@ class EncodeResult:
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
     attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (model/attention_paths.py)
     chunks: tuple[int, ...] = ()  # texts only, with chunk: windows each text was encoded in
+
+    def __len__(self) -> int:
+        return len(self.embeddings if self.embeddings is not None else self.hidden_states)
+
+    @functools.cached_property
+    def outputs(self) -> tuple[SequenceOutput, ...]:
+        """Row by row, for protocols that answer per sequence (Encode, OpenAI): views, no copies."""
+        hidden, embeddings = self.hidden_states, self.embeddings
+        return tuple(SequenceOutput(None if hidden is None else hidden[i, :n],
+                                    None if embeddings is None else embeddings[i])
+                     for i, n in enumerate(self.token_counts))
 
 
 @dataclass(frozen=True)
@@ -77,26 +98,71 @@ class Limits:
             raise ValidationError(f"{field}: {n} {field} exceed max_sequences_per_request={self.max_sequences_per_request}")
 
 
-def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits) -> tuple[Row, ...]:
-    """Validates `request`; ValidationError names the field and the limit it broke."""
+def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits, budget=None) -> Rows:
+    """Validates `request` and gives its rows in batch form (one block, each row's length), each
+    row's attention path and the attention memory they need decided by `budget`
+    (serve/core/attention_budget.py; None: dense, not counted). ValidationError names the field and
+    the limit it broke; TooLarge, the attention budget."""
     n = len(request.sequences)
     limits.check_count(n, "sequences")
     max_len = limits.max_sequence_length
-    inputs = [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)]
-    block = request.sequences if isinstance(request.sequences, np.ndarray) else None
-    _check_values(inputs, config, block)
-    padded = n * max(len(x) for x in inputs)
+    if isinstance(request.sequences, np.ndarray):
+        block, lengths = _check_block(request.sequences, request.lengths, config, max_len)
+    else:
+        block, lengths = _pad(
+            [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)], config)
+    _check_values(block, lengths, config)
+    longest = int(lengths.max())
+    padded = n * longest
     if limits.max_request_tokens and padded > limits.max_request_tokens:
         raise ValidationError(
-            f"sequences: {n} sequences padded to length {padded // n} are {padded} tokens, "
+            f"sequences: {n} sequences padded to length {longest} are {padded} tokens, "
             f"over max_request_tokens={limits.max_request_tokens}; split the request"
         )
     mask = request.mask
-    customs = _check_mask(mask, [len(x) for x in inputs], max_len)
-    return tuple(
-        Row(x, int(mask.kind), bool(mask.causal), int(mask.window), int(mask.step) if mask.step else 1, c)
-        for x, c in zip(inputs, customs)
-    )
+    custom = _check_mask(mask, lengths, max_len)
+    step = int(mask.step) if mask.step else 1
+    attention_bytes, paths = (0, ()) if budget is None else budget.check(
+        lengths, RowMask(MaskKind(mask.kind), int(mask.window), step))
+    return Rows(block, lengths, int(mask.kind), bool(mask.causal), int(mask.window), step, custom, paths,
+                attention_bytes)
+
+
+def _check_block(block: np.ndarray, lengths: np.ndarray | None, config: EncoderConfig,
+                 max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that came as one array [B, T] (or [B, T, D]), each `lengths[i]` long (None: T): checked
+    at once; what lies past a row's length becomes padding (pad id, zero features)."""
+    tokens = config.input_kind == "tokens"
+    want = 2 if tokens else 3
+    if block.ndim != want or (tokens and block.dtype.kind not in "iu") or (
+            not tokens and (block.dtype != np.float32 or block.shape[2] != config.d_model)):
+        _check_sequence(0, block[0], config, max_len)  # names the first row's dtype or shape
+    n, width = block.shape[:2]
+    if lengths is None:
+        lengths = np.full(n, width, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    for i in np.flatnonzero((lengths == 0) | (lengths > max_len))[:1]:
+        _check_sequence(int(i), block[i, : lengths[i]], config, max_len)
+    block = block.astype(np.int64, copy=False) if tokens else block
+    if int(lengths.min()) < width:
+        past = np.arange(width) >= lengths[:, None]
+        block = np.where(past if tokens else past[:, :, None], config.pad_token_id if tokens else 0, block)
+    return block, lengths
+
+
+def _pad(inputs: list[np.ndarray], config: EncoderConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Checked rows as one right-padded block and their lengths."""
+    lengths = np.fromiter((len(x) for x in inputs), np.int64, len(inputs))
+    longest = int(lengths.max())
+    if int(lengths.min()) == longest:
+        return (inputs[0][None] if len(inputs) == 1 else np.stack(inputs)), lengths
+    if config.input_kind == "tokens":
+        block = np.full((len(inputs), longest), config.pad_token_id, np.int64)
+    else:
+        block = np.zeros((len(inputs), longest, config.d_model), np.float32)
+    for i, x in enumerate(inputs):
+        block[i, : len(x)] = x
+    return block, lengths
 
 
 def _check_sequence(index: int, seq: np.ndarray, config: EncoderConfig, max_len: int) -> np.ndarray:
@@ -117,25 +183,28 @@ def _check_sequence(index: int, seq: np.ndarray, config: EncoderConfig, max_len:
     return seq.astype(np.int64, copy=False) if tokens else seq
 
 
-def _check_values(inputs: list[np.ndarray], config: EncoderConfig, block: np.ndarray | None = None) -> None:
-    """Token ids in the vocabulary, features finite: one pass over every row at once (`block`: the
-    rows' own array, when they came as one); a failure names the first row that broke the rule."""
-    flat = block if block is not None else inputs[0] if len(inputs) == 1 else np.concatenate(inputs)
+def _check_values(block: np.ndarray, lengths: np.ndarray, config: EncoderConfig) -> None:
+    """Token ids in the vocabulary, features finite: one pass over the block (its padding holds the
+    pad id or zeros, which pass); a failure names the first row that broke the rule."""
     if config.input_kind == "tokens":
-        if int(flat.min()) >= 0 and int(flat.max()) < config.vocab_size:
+        if int(block.min()) >= 0 and int(block.max()) < config.vocab_size:
             return
-        for index, seq in enumerate(inputs):
-            low, high = int(seq.min()), int(seq.max())
-            if low < 0 or high >= config.vocab_size:
-                raise ValidationError(f"sequences[{index}]: token id {low if low < 0 else high} out of range "
-                                      f"[0, {config.vocab_size})")
-    if np.isfinite(flat).all():
+        bad = (block < 0) | (block >= config.vocab_size)
+        index = int(np.flatnonzero(bad.any(axis=1))[0])
+        row = block[index, : lengths[index]]
+        low, high = int(row.min()), int(row.max())
+        raise ValidationError(f"sequences[{index}]: token id {low if low < 0 else high} out of range "
+                              f"[0, {config.vocab_size})")
+    finite = np.isfinite(block)
+    if finite.all():
         return
-    index = next(i for i, seq in enumerate(inputs) if not np.isfinite(seq).all())
+    index = int(np.flatnonzero(~finite.all(axis=(1, 2)))[0])
     raise ValidationError(f"sequences[{index}]: features contain NaN or infinity")
 
 
-def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.ndarray | None]:
+def _check_mask(mask: MaskChoice, lengths: np.ndarray, max_len: int) -> np.ndarray | None:
+    """The mask's fields checked; kind=custom: the custom mask as Rows holds it (bool [n, T, T], T the
+    longest row, False past each row's own length)."""
     kind = mask.kind
     if mask.causal and not kind.takes_causal_flag and kind != MaskKind.CAUSAL:
         raise ValidationError(
@@ -149,31 +218,33 @@ def _check_mask(mask: MaskChoice, lengths: list[int], max_len: int) -> list[np.n
     if kind != MaskKind.CUSTOM:
         if mask.custom is not None:
             raise ValidationError(f"mask.custom: only used with kind=custom, not {kind.label}")
-        return [None] * len(lengths)
+        return None
     custom = mask.custom
     if custom is None:
         raise ValidationError("mask.custom: kind=custom needs a BOOL [T, T] or [B, T, T] tensor")
     if custom.dtype != np.bool_:
         raise ValidationError(f"mask.custom: dtype must be BOOL, got {custom.dtype}")
-    n, longest = len(lengths), max(lengths)
+    n, longest = len(lengths), int(lengths.max())
     if custom.ndim == 2:
-        matrices = [custom] * n
-    elif custom.ndim == 3:
-        # [B, Tmax, Tmax]: one matrix per sequence, padded to the longest; row i uses its top-left
-        # [T_i, T_i] (entries past its own length are ignored). Equal lengths: the exact form.
-        if custom.shape != (n, longest, longest):
+        bad = np.flatnonzero(lengths != custom.shape[0]) if custom.shape[0] == custom.shape[1] else [0]
+        if len(bad):
+            i = int(bad[0])
             raise ValidationError(
-                f"mask.custom: shape {list(custom.shape)} must be [{n}, {longest}, {longest}]: one matrix per "
-                f"sequence ({n}), padded to the longest sequence ({longest}); entries past a shorter "
-                f"sequence's length are ignored"
+                f"mask.custom: shape {list(custom.shape)} does not match sequences[{i}] of length {lengths[i]} "
+                f"(needs [{lengths[i]}, {lengths[i]}]; for sequences of unequal length send [B, Tmax, Tmax])"
             )
-        return [m[:length, :length] for m, length in zip(custom, lengths)]
-    else:
+        return np.broadcast_to(custom, (n, *custom.shape))
+    if custom.ndim != 3:
         raise ValidationError(f"mask.custom: shape {list(custom.shape)} must be [T, T] or [B, T, T]")
-    for i, (m, length) in enumerate(zip(matrices, lengths)):
-        if m.shape != (length, length):
-            raise ValidationError(
-                f"mask.custom: shape {list(custom.shape)} does not match sequences[{i}] of length {length} "
-                f"(needs [{length}, {length}]; for sequences of unequal length send [B, Tmax, Tmax])"
-            )
-    return matrices
+    # [B, Tmax, Tmax]: one matrix per sequence, padded to the longest; row i uses its top-left
+    # [T_i, T_i] (entries past its own length are ignored). Equal lengths: the exact form.
+    if custom.shape != (n, longest, longest):
+        raise ValidationError(
+            f"mask.custom: shape {list(custom.shape)} must be [{n}, {longest}, {longest}]: one matrix per "
+            f"sequence ({n}), padded to the longest sequence ({longest}); entries past a shorter "
+            f"sequence's length are ignored"
+        )
+    if int(lengths.min()) == longest:
+        return custom
+    inside = np.arange(longest) < lengths[:, None]
+    return custom & inside[:, :, None] & inside[:, None, :]

@@ -1,7 +1,11 @@
-"""Running one formed batch (serve/core/batcher.py forms it): which attention path each row takes,
-how the rows are cut into session.runs (serve/core/batch_plan.py), padding them (serve/backend/feeds.py,
-the one place that pads), the backend call, and each request's outputs as its rows complete
-(serve/core/pooling.py). The batcher owns the queue and the workers; this module owns a run.
+"""Running one formed batch (serve/core/batcher.py forms it): how its requests' rows are cut into
+session.runs (by the attention path each row was given at admission, then by length where splitting
+saves work: serve/core/batch_plan.py), the graph inputs (serve/backend/feeds.py, the one place that
+pads), the backend call, and each request's result as its rows complete (serve/core/pooling.py).
+The batcher owns the queue and the workers; this module owns a run.
+
+A run's outputs are one padded array per output; a request that ran as one whole piece of one run
+(the common case: no split) is answered with views of them, others gather their pieces once.
 """
 
 from __future__ import annotations
@@ -14,47 +18,35 @@ import numpy as np
 from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from serve.backend.feeds import Row, pad_batch
+from serve.backend.feeds import Rows, pad_batch
 from serve.backend.session import Backend
-from serve.core.attention_budget import AttentionBudget
 from serve.core.batch_plan import RunCost, plan_runs
-from serve.core.pooling import row_output
-from serve.core.requests import EncodeResult, SequenceOutput
+from serve.core.pooling import request_outputs
+from serve.core.requests import EncodeResult
 from serve.errors import ValidationError
 
 
 class BatchRunner:
     def __init__(self, backend: Backend, config: EncoderConfig, *, observe: Callable[..., None],
-                 run_cost: RunCost | None = None, budget: AttentionBudget | None = None) -> None:
+                 run_cost: RunCost | None = None, budget=None) -> None:
         self.backend = backend
         self.config = config
         self._observe = observe
-        self.run_cost = run_cost  # None: one session.run per batch; else length-sorted runs (batch_plan)
-        # picks each row's attention path and bounds a batch's attention memory; None: dense, unbounded
-        self.budget = budget
+        self.run_cost = run_cost  # None: one session.run per path; else length-sorted runs (batch_plan)
+        self.budget = budget  # unused here: each row's path was decided at admission (Rows.paths)
         # a session on every CPU for a batch that runs alone (Backend.has_wide; test doubles have none)
         self.has_wide = bool(getattr(backend, "has_wide", False))
 
     def run(self, batch: list, wide: bool = False) -> None:
-        """Runs the batch's rows: as one session.run, or as length-sorted runs (serve/core/batch_plan.py)
-        when a RunCost is set and splitting saves work. Each ticket finishes as soon as its last row
-        has run, so short requests in a mixed batch come back first. `wide`: the batch runs alone on
-        the machine, so its dense runs may take the backend's session on every CPU."""
-        slots = [(ticket, i) for ticket in batch for i in range(len(ticket.rows))]
-        runs = []
-        for path, group in self._by_path(slots):
-            if self.run_cost is None:
-                runs.append((path, group))
-            else:
-                plan = plan_runs([slots[k][0].rows[slots[k][1]].length for k in group], self.run_cost)
-                runs += [(path, [group[k] for k in run]) for run in plan]
+        """Runs the batch's rows: one session.run per attention path, or length-sorted runs
+        (serve/core/batch_plan.py) when a RunCost is set and splitting saves work. Each ticket finishes
+        as soon as its last row has run, so short requests in a mixed batch come back first. `wide`:
+        the batch runs alone on the machine, so its dense runs may take the session on every CPU."""
         progress = {ticket: _Progress(ticket) for ticket in batch}
         provider = self.backend.info.execution_provider
-        for number, (path, run) in enumerate(runs):
-            members = [slots[k] for k in run]
-            rows = [ticket.rows[i] for ticket, i in members]
-            length = max(row.length for row in rows)
-            feeds = pad_batch(rows, length, self.config, path)
+        for number, (path, pieces) in enumerate(self._runs(batch)):
+            length = max(int(t.rows.lengths.max() if i is None else t.rows.lengths[i].max()) for t, i in pieces)
+            feeds = pad_batch([(t.rows, i) for t, i in pieces], length, self.config, path)
             started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
                 hidden, pooled = self.backend.encode(feeds, path)
@@ -63,52 +55,86 @@ class BatchRunner:
             else:
                 hidden, pooled = self.backend.encode(feeds)
             inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
-            # the run's answers are finite (else: row by row); hidden states only where one is answered
-            finite = bool(np.isfinite(pooled).all()) and (
-                not any(t.request.hidden_states or t.request.pooling == "first" for t, _ in members)
-                or bool(np.isfinite(hidden).all()))
-            tokens = sum(row.length for row in rows)
-            self._observe(batch_size=len(rows), batch_tokens=len(rows) * length, inference_s=inference_s,
-                          padding_tokens=len(rows) * length - tokens, path=path, run_cpu_s=run_cpu_s)
-            for index, (ticket, i) in enumerate(members):
-                row = rows[index]
-                progress[ticket].add(i, row, hidden[index, : row.length], pooled[index],
-                                     run=number, started=started, inference_s=inference_s,
-                                     batch_size=len(rows), batch_length=length, path=path, finite=finite)
-            for ticket in dict.fromkeys(ticket for ticket, _ in members):  # each once, in order
+            lengths = feeds["attention_mask"].sum(axis=1)
+            rows = len(lengths)
+            tokens = int(lengths.sum())
+            self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
+                          padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)
+            wants_hidden = any(t.request.hidden_states or t.request.pooling == "first" for t, _ in pieces)
+            if wants_hidden and tokens < rows * length:
+                hidden[np.arange(length) >= lengths[:, None]] = 0  # answered zeros past each row's length
+            # the run's answers are finite (else: each row is checked); hidden states only where answered
+            finite = bool(np.isfinite(pooled).all()) and (not wants_hidden or bool(np.isfinite(hidden).all()))
+            at = 0
+            for ticket, index in pieces:
+                count = len(ticket.rows) if index is None else len(index)
+                progress[ticket].add(index, hidden, pooled, at, count, run=number, started=started,
+                                     inference_s=inference_s, batch_size=rows, batch_length=length,
+                                     path=path, finite=finite)
+                at += count
+            for ticket, _ in pieces:
                 if progress[ticket].complete and not ticket.done():
                     self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
                     progress[ticket].finish(provider)
 
+    def _runs(self, batch: list) -> list[tuple[str, list[tuple[object, np.ndarray | None]]]]:
+        """The session.runs for `batch`: (path, pieces), a piece being a ticket and the indices of its
+        rows in the run (None: all of them, in order). Dense first. A sparse run's strided rows share
+        one step (window-only rows run apart, so they never pay for a strided layout)."""
+        groups: dict[tuple[str, int], list] = {}
+        for ticket in batch:
+            rows = ticket.rows
+            paths = rows.by_path()
+            for path, index in paths:
+                groups.setdefault((path, _step(rows, path)), []).append(
+                    (ticket, None if len(paths) == 1 else index))
+        runs = []
+        for key in sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1])):
+            pieces = groups[key]
+            if self.run_cost is None:
+                runs.append((key[0], pieces))
+                continue
+            owners, lengths = [], []
+            for k, (ticket, index) in enumerate(pieces):
+                row_lengths = ticket.rows.lengths if index is None else ticket.rows.lengths[index]
+                owners.append(np.full(len(row_lengths), k))
+                lengths.append(row_lengths)
+            owner, length = np.concatenate(owners), np.concatenate(lengths)
+            plan = plan_runs(length.tolist(), self.run_cost)
+            if len(plan) == 1:
+                runs.append((key[0], pieces))
+                continue
+            starts = np.concatenate([[0], np.cumsum([len(x) for x in lengths])])
+            for run in plan:
+                run = np.asarray(run)
+                split = []
+                for k in dict.fromkeys(owner[run].tolist()):  # each piece once, in arrival order
+                    ticket, index = pieces[k]
+                    at = np.sort(run[owner[run] == k]) - starts[k]
+                    whole = index is None and len(at) == len(ticket.rows)
+                    split.append((ticket, None if whole else (at if index is None else index[at])))
+                runs.append((key[0], split))
+        return runs
 
-    def _by_path(self, slots: list[tuple]) -> list[tuple[str, list[int]]]:
-        """Slot indices grouped by the attention path each row runs on, dense first. Sparse rows are
-        grouped by their step too (a sparse run's strided rows share one step; window-only rows run
-        apart, so they never pay for a strided layout)."""
-        if self.budget is None:
-            return [(DENSE, list(range(len(slots))))]
-        groups: dict[tuple[str, int], list[int]] = {}
-        for k, (ticket, i) in enumerate(slots):
-            row = ticket.rows[i]
-            path = self.budget.path(row)
-            kind = MaskKind(row.kind)
-            # bidirectional/causal rows on a plan's sparse graph are step-1 rows on its global layers
-            step = (row.step if kind.uses_step else 1 if kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL) else 0) \
-                if path == SPARSE else 0
-            groups.setdefault((path, step), []).append(k)
-        order = sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1]))
-        return [(key[0], groups[key]) for key in order]
+
+def _step(rows: Rows, path: str) -> int:
+    """The step a sparse run of these rows is laid out for (0: not a sparse run)."""
+    if path != SPARSE:
+        return 0
+    kind = MaskKind(rows.kind)
+    # bidirectional/causal rows on a plan's sparse graph are step-1 rows on its global layers
+    return rows.step if kind.uses_step else 1 if kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL) else 0
 
 
 class _Progress:
     """One ticket's rows as their runs complete; `finish` answers it once all have run."""
 
-    __slots__ = ("ticket", "outputs", "paths", "left", "first_start", "inference_s", "last_run", "batch_size",
+    __slots__ = ("ticket", "pieces", "paths", "left", "first_start", "inference_s", "last_run", "batch_size",
                  "batch_length", "error")
 
     def __init__(self, ticket) -> None:
         self.ticket = ticket
-        self.outputs: list[SequenceOutput | None] = [None] * len(ticket.rows)
+        self.pieces: list[tuple] = []  # (row indices or None, the run's hidden, pooled, first row in the run)
         self.paths: list[str] = [DENSE] * len(ticket.rows)
         self.left = len(ticket.rows)
         self.first_start: float | None = None
@@ -126,13 +152,19 @@ class _Progress:
         """Admitted -> the start of its first run."""
         return self.first_start - self.ticket.enqueued
 
-    def add(self, i: int, row: Row, hidden: np.ndarray, pooled: np.ndarray, *, run: int, started: float,
-            inference_s: float, batch_size: int, batch_length: int, path: str = DENSE,
-            finite: bool = False) -> None:
-        """Takes row `i`'s outputs; `finite`: the whole run's outputs are known finite (no row check)."""
+    def add(self, index: np.ndarray | None, hidden: np.ndarray, pooled: np.ndarray, at: int, count: int, *,
+            run: int, started: float, inference_s: float, batch_size: int, batch_length: int,
+            path: str = DENSE, finite: bool = False) -> None:
+        """Takes the rows `index` (None: all) of this ticket, rows at..at+count of the run's outputs;
+        `finite`: the whole run's outputs are known finite (no row check)."""
         if self.error is not None:
             return
-        self.paths[i] = path
+        rows = self.ticket.rows
+        if index is None:
+            self.paths = [path] * len(rows)
+        else:
+            for i in index.tolist():
+                self.paths[i] = path
         if self.first_start is None:
             self.first_start = started
         if run != self.last_run:
@@ -140,30 +172,60 @@ class _Progress:
             self.inference_s += inference_s
         # runs go shortest first, so the last run a ticket is in holds its longest row: report that one
         self.batch_size, self.batch_length = batch_size, batch_length
-        self.left -= 1
-        if not finite and not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
-            # finite but extreme raw features can overflow inside the model: never answer NaN
-            bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
-            if row.inputs.dtype.kind == "f":
-                bad += f" (largest |feature| {float(np.abs(row.inputs).max()):.3g}); scale the features"
-            self.error = ValidationError(bad)
-            return
-        self.outputs[i] = row_output(self.ticket.request, hidden, pooled)
+        self.left -= count
+        if not finite:
+            wants = self.ticket.request.hidden_states or self.ticket.request.pooling == "first"
+            ok = np.isfinite(pooled[at:at + count]).all(axis=1)
+            if wants:
+                ok &= np.isfinite(hidden[at:at + count]).all(axis=(1, 2))
+            if not ok.all():
+                # finite but extreme raw features can overflow inside the model: never answer NaN
+                k = int(np.flatnonzero(~ok)[0])
+                i = k if index is None else int(index[k])
+                bad = f"sequences[{i}]: the model's output is NaN or infinite for this input"
+                if rows.block.dtype.kind == "f":
+                    bad += (f" (largest |feature| {float(np.abs(rows.block[i, : rows.lengths[i]]).max()):.3g});"
+                            " scale the features")
+                self.error = ValidationError(bad)
+                return
+        self.pieces.append((index, hidden, pooled, at))
+
+    def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ticket's rows of hidden states [n, T, D] and pooled [n, D]: views of the run's outputs
+        when all its rows ran as one piece, else gathered from its pieces."""
+        rows = self.ticket.rows
+        n, longest = len(rows), rows.longest
+        if len(self.pieces) == 1 and self.pieces[0][0] is None:
+            _, hidden, pooled, at = self.pieces[0]
+            return hidden[at:at + n, :longest], pooled[at:at + n]
+        first_hidden, first_pooled = self.pieces[0][1], self.pieces[0][2]
+        hidden = np.zeros((n, longest, first_hidden.shape[-1]), first_hidden.dtype)
+        pooled = np.empty((n, first_pooled.shape[-1]), first_pooled.dtype)
+        for index, run_hidden, run_pooled, at in self.pieces:
+            count = n if index is None else len(index)
+            width = min(longest, run_hidden.shape[1])
+            target = slice(None) if index is None else index
+            hidden[target, :width] = run_hidden[at:at + count, :width]
+            pooled[target] = run_pooled[at:at + count]
+        return hidden, pooled
 
     def finish(self, provider: str) -> None:
         ticket = self.ticket
         if self.error is not None:
             ticket._finish(error=self.error)
             return
+        hidden, pooled = self._gathered()
+        hidden_states, embeddings = request_outputs(ticket.request, hidden, pooled)
         ticket._finish(EncodeResult(
             request_id=ticket.request.request_id,
-            outputs=tuple(self.outputs),
+            hidden_states=hidden_states,
+            embeddings=embeddings,
             queue_s=self.queue_s,
             inference_s=self.inference_s,
             batch_size=self.batch_size,
             batch_length=self.batch_length,
             execution_provider=provider,
-            token_counts=tuple(row.length for row in ticket.rows),
+            token_counts=tuple(ticket.rows.lengths.tolist()),
             truncated=ticket.request.truncated,
             attention_paths=tuple(self.paths),
         ))

@@ -104,7 +104,7 @@ def start_call(metrics: Metrics | None, method: str, rpc, submit, render) -> Non
         try:
             result = engine.result(ticket)
             if metrics is not None:
-                metrics.sequences.inc(len(result.outputs))
+                metrics.sequences.inc(len(result))
             payload = render(engine, result, call)
         except Exception as error:
             call.answer(error)

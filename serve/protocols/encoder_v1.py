@@ -187,7 +187,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 engine, ticket = admitted
                 try:
                     result = engine.wait(ticket, deadline)
-                    self._metrics.sequences.inc(len(result.outputs))
+                    self._metrics.sequences.inc(len(result))
                     self._metrics.requests.labels("EncodeStream.item", "OK").inc()
                     yield pb.EncodeStreamResponse(response=response_to_proto(result, engine, started))
                     continue

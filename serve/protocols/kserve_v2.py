@@ -201,9 +201,9 @@ def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
-def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[int]:
+def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> np.ndarray:
     if attention is None:
-        return [length] * batch
+        return np.full(batch, length, np.int64)
     if attention.shape != (batch, length):
         raise ValidationError(f"inputs[attention_mask].shape: {list(attention.shape)} must equal the "
                               f"ids' [{batch}, {length}]")
@@ -212,7 +212,7 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> list[
     if not right_padded.all():
         row = int(np.flatnonzero(~right_padded.all(axis=1))[0])
         raise ValidationError(f"inputs[attention_mask][{row}]: must be 1s then 0s (right padding)")
-    return lengths.tolist()
+    return lengths
 
 
 def _names(names) -> str:
@@ -273,9 +273,9 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
     batch, length = int(ids.shape[0]), int(ids.shape[1])
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
     custom = _cut_custom(tensors.get("custom_mask"), lengths)
-    # rows of one length go as the tensor itself (the core checks it at once); others are cut to length
-    sequences = ids if min(lengths) == length else tuple(row[:n] for row, n in zip(ids, lengths))
-    request, requested = _request(msg, engine, sequences=sequences, mask=_mask(msg.parameters, custom))
+    # the tensor itself, with each row's length: the core checks it at once and never cuts it up
+    request, requested = _request(msg, engine, sequences=ids, lengths=None if min(lengths) == length else lengths,
+                                  mask=_mask(msg.parameters, custom))
     return request, requested, length
 
 
@@ -311,12 +311,12 @@ def _text_request(msg, engine: Engine, texts: tuple[str, ...]) -> tuple[EncodeRe
     return request, requested, 0
 
 
-def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | None:
+def _cut_custom(custom: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:
     """custom_mask [T, T] (every row) or [B, T, T] (one per row), in the ids' padded coordinates, as
     [B, Tmax, Tmax] cut to the longest row; entries past a row's own length are ignored."""
     if custom is None:
         return None
-    longest, batch = max(lengths), len(lengths)
+    longest, batch = int(lengths.max()), len(lengths)
     square = custom.ndim in (2, 3) and custom.shape[-1] == custom.shape[-2] >= longest
     if not square or (custom.ndim == 3 and custom.shape[0] != batch):
         raise ValidationError(f"inputs[custom_mask].shape: {list(custom.shape)} must be [T, T] or [{batch}, T, T] "
@@ -328,18 +328,18 @@ def _cut_custom(custom: np.ndarray | None, lengths: list[int]) -> np.ndarray | N
 
 def output_arrays(result: EncodeResult, requested: list[str], length: int) -> list[tuple[str, np.ndarray]]:
     """The requested v2 outputs as little-endian float32 arrays (gRPC and REST answer from these):
-    last_hidden_state [B, T, D] with zeros at padded positions, embeddings [B, D]."""
+    last_hidden_state [B, T, D] with zeros at padded positions, embeddings [B, D]. The core's
+    arrays as they are (views of the run's output), padded only when the request's T is wider than
+    its longest row."""
     arrays = []
     for name in requested:
         if name == "last_hidden_state":
-            rows = [o.hidden_states for o in result.outputs]
-            length = length or max(hidden.shape[0] for hidden in rows)  # texts: the longest tokenized text
-            array = np.zeros((len(rows), length, rows[0].shape[-1]), "<f4")
-            for i, hidden in enumerate(rows):
-                array[i, : hidden.shape[0]] = hidden
+            array = result.hidden_states
+            if length and array.shape[1] < length:  # every row was padded: the answer keeps the request's T
+                array = np.pad(array, ((0, 0), (0, length - array.shape[1]), (0, 0)))
         else:
-            array = np.stack([o.embedding for o in result.outputs]).astype("<f4", copy=False)
-        arrays.append((name, array))
+            array = result.embeddings
+        arrays.append((name, array.astype("<f4", copy=False)))
     return arrays
 
 

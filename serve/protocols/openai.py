@@ -113,14 +113,13 @@ def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, i
 
 
 def response_json(result, name: str, encoding: str, dimensions: int | None) -> bytes:
-    data = []
-    for i, out in enumerate(result.outputs):
-        vector = np.asarray(out.embedding, np.float32)
-        if dimensions is not None:  # Matryoshka: the first N values, re-normalised
-            vector = l2_normalize(vector[:dimensions])
-        value = (base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
-                 else np.ascontiguousarray(vector))
-        data.append({"object": "embedding", "index": i, "embedding": value})
+    vectors = np.asarray(result.embeddings, np.float32)
+    if dimensions is not None:  # Matryoshka: the first N values, re-normalised
+        vectors = l2_normalize(vectors[:, :dimensions])
+    vectors = np.ascontiguousarray(vectors, "<f4")
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(vector.tobytes()).decode() if encoding == "base64" else vector}
+            for i, vector in enumerate(vectors)]
     tokens = int(sum(result.token_counts))
     # orjson writes a float32 array natively, each value in the shortest form that reads back to the
     # same float32 (exact, and about half json's bytes); json.dumps of .tolist() took 13 ms for 32 x 384
