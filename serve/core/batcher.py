@@ -127,10 +127,10 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self._observe = observe or (lambda **_: None)
         self.run_cost = run_cost
-        # bounds a batch's attention memory here; picks each row's attention path in the runner
+        # bounds a batch's attention memory (each row's path was picked at admission: Rows.paths)
         self.budget = budget
         # runs a formed batch: paths, runs, padding, the backend, outputs (serve/core/runs.py)
-        self.runner = BatchRunner(backend, config, observe=self._observe, run_cost=run_cost, budget=budget)
+        self.runner = BatchRunner(backend, config, observe=self._observe, run_cost=run_cost)
         # the server's run slots, shared by every model's batcher (serve/core/scheduler.py); alone: its own
         self.scheduler = scheduler or Scheduler(instances)
         self._queue: collections.deque[Ticket] = collections.deque()

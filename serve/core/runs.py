@@ -28,12 +28,11 @@ from serve.errors import ValidationError
 
 class BatchRunner:
     def __init__(self, backend: Backend, config: EncoderConfig, *, observe: Callable[..., None],
-                 run_cost: RunCost | None = None, budget=None) -> None:
+                 run_cost: RunCost | None = None) -> None:
         self.backend = backend
         self.config = config
         self._observe = observe
         self.run_cost = run_cost  # None: one session.run per path; else length-sorted runs (batch_plan)
-        self.budget = budget  # unused here: each row's path was decided at admission (Rows.paths)
         # a session on every CPU for a batch that runs alone (Backend.has_wide; test doubles have none)
         self.has_wide = bool(getattr(backend, "has_wide", False))
 
