@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18)")
     parser.add_argument("--triton-repo", type=Path, metavar="DIR",
                         help="also write a Triton model repository for each export into DIR")
+    parser.add_argument("--external-data", action="store_true",
+                        help="every graph's weights in a <graph file>.data beside it (ONNX external data); "
+                             "without it, only graphs whose weights are over 1.5 GiB (a protobuf holds at most 2 GB)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines, only the summary")
     return parser
 
@@ -124,7 +127,8 @@ def format_summary(results) -> str:
             v = info.validation
             parity = f"{v['metric']} {v['worst']:.2g} <= {v['limit']:g}" if v["metric"] == "max_abs" \
                 else f"{v['metric']} {v['worst']:.6f} >= {v['limit']:g}"
-            rows.append((str(graph.path), f"{info.bytes / 1e6:.2f} MB", str(meta.opset),
+            size = info.bytes + sum(d["bytes"] for d in info.data)  # with its external weights
+            rows.append((str(graph.path) + (" (+ .data)" if info.data else ""), f"{size / 1e6:.2f} MB", str(meta.opset),
                          f"ok ({parity}, {v['cases']} cases)", _dims(meta.inputs), _dims(meta.outputs)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for plan in plans:
             results.append(export_model(out_dir=args.out_dir, opset=args.opset, graphs=graphs,
-                                        progress=progress, **plan))
+                                        progress=progress, external_data=args.external_data, **plan))
             if args.triton_repo:
                 from export.triton import write_triton_repo
 

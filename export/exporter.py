@@ -30,6 +30,7 @@ from export.validate import ValidationReport, validate
 from model.attention_paths import DENSE, MAX_SEQUENCE, long_path
 from model.config import EncoderConfig
 from model.encoder import Encoder, build_encoder, with_path
+from model import onnx_files
 from model.export_format import ExportError, GraphEntry, Metadata, TokenizerEntry, sha256_file, write_metadata
 
 # torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
@@ -56,10 +57,11 @@ class ExportResult:
     graphs: list[GraphResult]
 
 
-def export_onnx(model: Encoder, contract: ExportContract, path: str | Path) -> None:
+def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, external_data: bool = False) -> None:
     """torch.onnx.export (dynamo) of `model` on the contract's attention path, with symbolic batch and
     sequence axes taken from the contract. Long-input paths translate their attention op into the
     O(T·w) / O(T) subgraphs of export/long_graphs.py."""
+    path = Path(path)
     config = contract.config
     model = with_path(model, contract.path)
     feeds = make_feeds(config, SAMPLE_LENGTHS, MaskSpec(), seed=0)
@@ -87,11 +89,14 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path) -> N
             verbose=False,
             custom_translation_table=None if contract.path == DENSE else translation_table(),
         )
-    program.save(str(path))
+    program.save(str(path), external_data=True if external_data else None)  # None: external over 2 GB
+    saved = onnx_files.data_files(path)
     proto = onnx.load(str(path))
     if proto.ir_version > MAX_IR_VERSION:
         proto.ir_version = MAX_IR_VERSION
-        onnx.save(proto, str(path))
+        for name in saved:  # torch's data file, replaced by ours
+            (path.parent / name).unlink()
+        onnx_files.save(proto, path, external=external_data or bool(saved) or None)
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -126,10 +131,13 @@ def export_model(
     pooling: dict | None = None,
     long_length: int = 67,
     progress: Progress | None = None,
+    external_data: bool = False,
 ) -> ExportResult:
     """Export `model` (default: the seeded encoder for `config`) into `out_dir/config.name/`.
 
     extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
+    external_data: every graph's weights in a `<graph file>.data` beside it (model/onnx_files.py);
+    without it, only graphs whose weights exceed onnx_files.EXTERNAL_BYTES (protobuf's 2 GB limit).
     Raises ExportError (model/export_format.py) for bad requests and
     export.validate.ExportValidationError when a graph does not match PyTorch; in both cases nothing
     is left in out_dir.
@@ -166,7 +174,7 @@ def export_model(
             if variant.build is None:
                 say(f"[{config.name}] exporting {name} with torch.onnx (dynamo, opset {contract.opset}, "
                     f"{variant.path} attention)")
-                export_onnx(model, contracts[name], path)
+                export_onnx(model, contracts[name], path, external_data=external_data)
             else:
                 say(f"[{config.name}] building {name} from fp32")
                 variant.build(str(staging / GRAPHS["fp32"].file), str(path), config)
@@ -182,6 +190,9 @@ def export_model(
             contract,
             graphs={r.name: GraphEntry(
                         file=GRAPHS[r.name].file, sha256=sha256_file(r.path), bytes=r.path.stat().st_size,
+                        data=tuple({"file": name, "sha256": sha256_file(r.path.parent / name),
+                                    "bytes": (r.path.parent / name).stat().st_size}
+                                   for name in onnx_files.data_files(r.path)),
                         ir_version=int(onnx.load(str(r.path), load_external_data=False).ir_version),
                         description=GRAPHS[r.name].description, attention_path=GRAPHS[r.name].path,
                         inputs=tuple(s.as_dict() for s in contracts[r.name].inputs),

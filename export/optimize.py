@@ -40,6 +40,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from export.contract import MAX_IR_VERSION
+from model import onnx_files
 from model.config import EncoderConfig
 
 MS_DOMAIN = "com.microsoft"
@@ -254,7 +255,8 @@ def _drop_unused_initializers(model: onnx.ModelProto) -> None:
 
 
 def ort_optimize(src: str, dst: str, level: str = "extended") -> None:
-    """Run ONNX Runtime's graph optimiser on `src` and save the result (CPU provider) to `dst`."""
+    """Run ONNX Runtime's graph optimiser on `src` and save the result (CPU provider) to `dst`, with
+    its weights as external data when `src` has them (model/onnx_files.py)."""
     import onnxruntime as ort
 
     levels = {
@@ -265,15 +267,23 @@ def ort_optimize(src: str, dst: str, level: str = "extended") -> None:
     options = ort.SessionOptions()
     options.graph_optimization_level = levels[level]
     options.optimized_model_filepath = dst
+    if onnx_files.is_external(src):
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         onnx_files.data_file_name(dst))
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                         "1024")
     ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
     _cap_ir_version(dst)
 
 
 def _cap_ir_version(path: str) -> None:
+    external = onnx_files.is_external(path)
     proto = onnx.load(path)
     if proto.ir_version > MAX_IR_VERSION:
         proto.ir_version = MAX_IR_VERSION
-        onnx.save(proto, path)
+        for name in onnx_files.data_files(path):  # the writer's data file, replaced by ours
+            os.unlink(os.path.join(os.path.dirname(path) or ".", name))
+        onnx_files.save(proto, path, external=external)
 
 
 # --------------------------------------------------------------------------- build functions
@@ -281,10 +291,11 @@ def _cap_ir_version(path: str) -> None:
 
 def build_optimized(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
     """Fused attention (contrib Attention), then ORT_ENABLE_EXTENDED fusions, saved offline."""
+    external = onnx_files.is_external(fp32_path)
     model, _fused = fuse_attention(onnx.load(fp32_path), config)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out_path) or ".") as tmp:
         fused_path = os.path.join(tmp, "fused.onnx")
-        onnx.save(model, fused_path)
+        onnx_files.save(model, fused_path, external=external)
         ort_optimize(fused_path, out_path, "extended")
 
 
@@ -297,17 +308,18 @@ def build_int8(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    external = onnx_files.is_external(fp32_path)
     model, _fused = fuse_attention(onnx.load(fp32_path), config)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out_path) or ".") as tmp:
         fused_path = os.path.join(tmp, "fused.onnx")
-        onnx.save(model, fused_path)
+        onnx_files.save(model, fused_path, external=external)
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)  # quantize_dynamic logs a "consider pre-processing" warning
         try:
             quantize_dynamic(fused_path, out_path, weight_type=QuantType.QInt8, per_channel=True,
                              reduce_range=True,  # 7-bit weights: see the module docstring
-                             op_types_to_quantize=["MatMul", "Attention"],
+                             op_types_to_quantize=["MatMul", "Attention"], use_external_data_format=external,
                              extra_options={"DefaultTensorType": TensorProto.FLOAT})
         finally:
             root.setLevel(level)
@@ -320,7 +332,8 @@ def build_fp16(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
     graph, as last_hidden_state is by the pooling)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    external = onnx_files.is_external(fp32_path)
     model = convert_float_to_float16(onnx.load(fp32_path), keep_io_types=True)
     if model.ir_version > MAX_IR_VERSION:
         model.ir_version = MAX_IR_VERSION
-    onnx.save(model, out_path)
+    onnx_files.save(model, out_path, external=external)

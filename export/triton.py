@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from model import onnx_files
 from model.export_format import METADATA_FILE, ExportError, Metadata, read_metadata
 
 # metadata.json dtype -> Triton model_config DataType name.
@@ -178,7 +179,7 @@ def write_triton_repo(
     target = repo_dir / model_name
     try:
         (staging / str(version)).mkdir()
-        shutil.copyfile(source, staging / str(version) / "model.onnx")
+        onnx_files.copy(source, staging / str(version) / "model.onnx")  # with its external data files
         shutil.copyfile(export_dir / METADATA_FILE, staging / METADATA_FILE)
         (staging / "config.pbtxt").write_text(config_text)
         staging.chmod(0o755)

@@ -61,10 +61,11 @@ def _graph_dims(value_info) -> tuple:
 
 def check_graph_contract(path: str, contract: ExportContract) -> onnx.ModelProto:
     """Full onnx.checker, IR version, input/output names and their symbolic dims in the saved file."""
-    proto = onnx.load(path)
+    proto = onnx.load(path, load_external_data=False)  # the graph; the checker reads the weights by path
     if proto.ir_version > MAX_IR_VERSION:
         raise ExportValidationError(f"IR version {proto.ir_version} > {MAX_IR_VERSION} (onnxruntime limit)")
-    onnx.checker.check_model(proto, full_check=True)
+    # by path, never the proto's bytes: a graph with external data (over 2 GB) cannot be serialised whole
+    onnx.checker.check_model(path, full_check=True)
     for kind, specs, values in (("input", contract.inputs, proto.graph.input),
                                 ("output", contract.outputs, proto.graph.output)):
         names = [v.name for v in values]

@@ -68,6 +68,8 @@ class GraphEntry:
     inputs: tuple[dict, ...] = ()  # this graph's inputs: {"name", "dtype", "dims"}
     tolerance: dict = field(default_factory=dict)  # {"metric", "limit"}
     validation: dict = field(default_factory=dict)  # export/validate.py ValidationReport.as_dict()
+    # the graph's external data files (model/onnx_files.py): {"file", "sha256", "bytes"} each; () inline
+    data: tuple[dict, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -78,7 +80,7 @@ class GraphEntry:
         return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "ir_version": self.ir_version,
                 "description": self.description, "attention_path": self.attention_path,
                 "inputs": [dict(spec) for spec in self.inputs], "tolerance": dict(self.tolerance),
-                "validation": dict(self.validation)}
+                "validation": dict(self.validation), **({"data": [dict(d) for d in self.data]} if self.data else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphEntry":
@@ -86,7 +88,9 @@ class GraphEntry:
                    ir_version=int(data.get("ir_version", 0)), description=str(data.get("description", "")),
                    attention_path=str(data.get("attention_path", DENSE)),
                    inputs=tuple(data.get("inputs") or ()), tolerance=dict(data.get("tolerance") or {}),
-                   validation=dict(data.get("validation") or {}))
+                   validation=dict(data.get("validation") or {}),
+                   data=tuple({"file": str(d["file"]), "sha256": str(d["sha256"]), "bytes": int(d.get("bytes", 0))}
+                              for d in data.get("data") or ()))
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,12 @@ class Metadata:
             raise ExportError(f"{path} not found (listed in {meta_path} as graph {graph!r})")
         if not entry.passed:
             raise ExportError(f"{meta_path}: graph {graph!r} failed validation at export; refusing to serve it")
+        for data in entry.data:  # external weights (model/onnx_files.py): present, and checked when `verify`
+            data_path = Path(root) / data["file"]
+            if not data_path.is_file():
+                raise ExportError(f"{data_path} not found (the external data of graph {graph!r}, listed in {meta_path})")
+            if verify:
+                checked_sha256(data_path, data["sha256"], f"graph {graph!r} external data")
         if not verify:
             return path, entry.sha256 or sha256_file(path)
         return path, checked_sha256(path, entry.sha256, "graph")

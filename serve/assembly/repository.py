@@ -278,8 +278,8 @@ class ModelRepository:
                              long_paths=self.config.long_paths)
         c = self.config
         wide = c.device == "cpu" and not c.intra_op_threads and c.instances > 1
-        dense = export.graph_path.stat().st_size
-        return dense * (2 if wide else 1) + sum(p.stat().st_size for _, p in export.long_graphs)
+        dense = export.file_bytes(export.graph_path)  # with its external weights
+        return dense * (2 if wide else 1) + sum(export.file_bytes(p) for _, p in export.long_graphs)
 
     def _build(self, name: str, path: Path, graph: str, replacing: str) -> Engine:
         """A started engine for the export at `path` that passed every check and fits the budget; its

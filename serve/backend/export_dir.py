@@ -65,6 +65,12 @@ class ExportDir:
     def default_normalize(self) -> bool:
         return bool(self.metadata.pooling.get("normalize", False))
 
+    def file_bytes(self, graph_path: Path) -> int:
+        """A served graph's bytes on disk, with its external weights (metadata.json lists them)."""
+        entry = next((e for e in self.metadata.graphs.values() if e.file == graph_path.name), None)
+        data = entry.data if entry is not None else ()
+        return graph_path.stat().st_size + sum((graph_path.parent / d["file"]).stat().st_size for d in data)
+
     def tokenizer_file(self) -> Path | None:
         """tokenizer.json after checking its sha256, or None when the export has none."""
         with _served():

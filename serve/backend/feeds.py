@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.attention_paths import DENSE, RowMask
+from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 
@@ -44,15 +44,6 @@ class Rows:
     @functools.cached_property
     def longest(self) -> int:
         return int(self.lengths.max())
-
-    @functools.cached_property
-    def full(self) -> bool:
-        """Every row fills the block: the block is its own padded batch."""
-        return int(self.lengths.min()) == self.block.shape[1]
-
-    @property
-    def mask(self) -> RowMask:
-        return RowMask(MaskKind(self.kind), self.window, self.step)
 
     def by_path(self) -> tuple[tuple[str, np.ndarray], ...]:
         return self.paths or ((DENSE, np.arange(len(self))),)

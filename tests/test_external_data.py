@@ -1,0 +1,118 @@
+"""Graphs whose weights live beside them as ONNX external data (model/onnx_files.py): what every model
+over 2 GB needs, since one protobuf cannot hold it. A tiny model exported with `--external-data` takes
+the same path a 2 GB one takes, in every step: export, the checker, the optimizer, int8, metadata's
+hashes, serving, the Triton repository."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+
+from model import onnx_files
+
+SMALL = ["--set", "d_model=32", "--set", "n_heads=4", "--set", "n_layers=1", "--set", "d_ff=64",
+         "--set", "vocab_size=100", "--set", "max_positions=64"]
+
+
+@pytest.fixture(scope="module")
+def external_export(tmp_path_factory) -> Path:
+    from export.cli import main
+
+    out = tmp_path_factory.mktemp("external")
+    assert main(["--out-dir", str(out), "--name", "ext", "--graphs", "fp32,optimized,int8", "--external-data",
+                 "--quiet", *SMALL]) == 0
+    return out / "ext"
+
+
+def test_every_graph_keeps_its_weights_in_a_data_file_listed_with_its_hash(external_export):
+    from model.export_format import read_metadata, sha256_file
+
+    graphs = read_metadata(external_export).graphs
+    assert set(graphs) == {"fp32", "optimized", "int8"}
+    for name, entry in graphs.items():
+        graph = external_export / entry.file
+        assert onnx_files.data_files(graph) == tuple(d["file"] for d in entry.data) != (), name
+        for data in entry.data:
+            path = external_export / data["file"]
+            assert sha256_file(path) == data["sha256"] and path.stat().st_size == data["bytes"]
+        # the weights are there, not in the graph (tensors under 1 KB stay inline, as ONNX's writer does)
+        inline = onnx.load(str(graph), load_external_data=False).graph.initializer
+        assert max((len(t.raw_data) for t in inline), default=0) < 1024, name
+
+
+def test_nothing_but_the_listed_files_is_left_in_the_export(external_export):
+    from model.export_format import read_metadata
+
+    graphs = read_metadata(external_export).graphs
+    listed = {"metadata.json"} | {e.file for e in graphs.values()} | {d["file"] for e in graphs.values() for d in e.data}
+    assert {p.name for p in external_export.iterdir()} == listed
+
+
+def test_a_served_external_data_export_answers_what_pytorch_computes(external_export, serve_start, reference_for):
+    from serve.protocols.pb import pb, pb_grpc
+    from serve.protocols.tensors import from_numpy, to_numpy
+
+    server = serve_start(external_export)
+    ids = np.random.default_rng(3).integers(0, 100, 17)
+    with grpc.insecure_channel(server.target) as channel:
+        response = pb_grpc.EncoderServiceStub(channel).Encode(
+            pb.EncodeRequest(sequences=[from_numpy(ids)], output=pb.OutputOptions(hidden_states=True)), timeout=30)
+    hidden, mean = reference_for(external_export)(ids)
+    np.testing.assert_allclose(to_numpy(response.results[0].hidden_states, "hidden"), hidden, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(to_numpy(response.results[0].embedding, "embedding"), mean, atol=1e-4, rtol=0)
+
+
+def test_a_changed_data_file_is_refused_at_load_naming_it(external_export, tmp_path):
+    from serve.backend.export_dir import ExportError, load_export
+
+    copy = tmp_path / "ext"
+    shutil.copytree(external_export, copy)
+    data = copy / json.loads((copy / "metadata.json").read_text())["graphs"]["fp32"]["data"][0]["file"]
+    data.write_bytes(data.read_bytes()[:-4] + b"\0\0\0\1")
+    with pytest.raises(ExportError, match=r"model\.onnx\.data: sha256 .* graph 'fp32' external data changed"):
+        load_export(copy)
+
+
+def test_a_missing_data_file_is_refused_at_load_naming_it(external_export, tmp_path):
+    from serve.backend.export_dir import ExportError, load_export
+
+    copy = tmp_path / "ext"
+    shutil.copytree(external_export, copy)
+    (copy / "model.onnx.data").unlink()
+    with pytest.raises(ExportError, match=r"model\.onnx\.data not found \(the external data of graph 'fp32'"):
+        load_export(copy)
+
+
+def test_the_triton_repository_carries_the_data_file_beside_the_graph(external_export, tmp_path):
+    import onnxruntime as ort
+
+    from export.triton import write_triton_repo
+
+    model_dir = write_triton_repo(external_export, tmp_path / "repo", graph="optimized")
+    version = model_dir / "1"
+    assert {p.name for p in version.iterdir()} == {"model.onnx", *onnx_files.data_files(version / "model.onnx")}
+    ort.InferenceSession(str(version / "model.onnx"), providers=["CPUExecutionProvider"])  # loads with its weights
+
+
+def test_save_writes_inline_under_the_threshold_and_external_when_asked(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [weight])
+    proto = helper.make_model(graph)
+    onnx_files.save(proto, tmp_path / "inline.onnx")
+    onnx_files.save(proto, tmp_path / "external.onnx", external=True)
+    assert onnx_files.data_files(tmp_path / "inline.onnx") == ()
+    assert onnx_files.data_files(tmp_path / "external.onnx") == ("external.onnx.data",)
+    onnx_files.save(proto, tmp_path / "external.onnx", external=True)  # again: replaces, never appends
+    assert (tmp_path / "external.onnx.data").stat().st_size == 64 * 64 * 4
+    np.testing.assert_array_equal(numpy_helper.to_array(onnx.load(str(tmp_path / "external.onnx")).graph.initializer[0]),
+                                  np.ones((64, 64), np.float32))
