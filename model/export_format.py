@@ -140,7 +140,9 @@ class Metadata:
 
     def graph_file(self, root: str | Path, graph: str, *, verify: bool = True) -> tuple[Path, str]:
         """The file of graph `graph` under `root` and its sha256: recomputed and checked against the
-        entry when `verify`, else the recorded one. Refuses a missing file or a failed validation."""
+        entry when `verify`, else the recorded one; for a graph with external data, the sha256 of its
+        file's and its data files' sha256s (space-separated), so the identity changes with the weights.
+        Refuses a missing file or a failed validation."""
         meta_path = Path(root) / METADATA_FILE
         if graph not in self.graphs:
             raise ExportError(f"{meta_path}: no graph {graph!r}; the export has {sorted(self.graphs) or 'none'}")
@@ -156,9 +158,10 @@ class Metadata:
                 raise ExportError(f"{data_path} not found (the external data of graph {graph!r}, listed in {meta_path})")
             if verify:
                 checked_sha256(data_path, data["sha256"], f"graph {graph!r} external data")
-        if not verify:
-            return path, entry.sha256 or sha256_file(path)
-        return path, checked_sha256(path, entry.sha256, "graph")
+        digest = (entry.sha256 or sha256_file(path)) if not verify else checked_sha256(path, entry.sha256, "graph")
+        if entry.data:  # the model's identity covers its weights: the graph file alone names only their places
+            digest = hashlib.sha256(" ".join([digest, *(d["sha256"] for d in entry.data)]).encode()).hexdigest()
+        return path, digest
 
     def tokenizer_file(self, root: str | Path) -> Path | None:
         """tokenizer.json under `root` after checking its sha256; None when the export has none."""

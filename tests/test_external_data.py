@@ -116,3 +116,15 @@ def test_save_writes_inline_under_the_threshold_and_external_when_asked(tmp_path
     assert (tmp_path / "external.onnx.data").stat().st_size == 64 * 64 * 4
     np.testing.assert_array_equal(numpy_helper.to_array(onnx.load(str(tmp_path / "external.onnx")).graph.initializer[0]),
                                   np.ones((64, 64), np.float32))
+
+
+def test_the_served_identity_covers_the_weights_not_only_the_graph_file(external_export):
+    import hashlib
+
+    from model.export_format import read_metadata
+    from serve.backend.export_dir import load_export
+
+    entry = read_metadata(external_export).graphs["fp32"]
+    served = load_export(external_export).sha256
+    assert served != entry.sha256  # the graph file names only where the weights lie
+    assert served == hashlib.sha256(" ".join([entry.sha256, *(d["sha256"] for d in entry.data)]).encode()).hexdigest()
