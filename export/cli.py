@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -167,5 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_summary(results))
-    print(f"\nwrote {len(results)} export(s) in {time.perf_counter() - started:.1f} s")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(f"\nwrote {len(results)} export(s) in {time.perf_counter() - started:.1f} s, "
+          f"peak memory {peak / (1 << 30):.2f} GiB")
     return 0

@@ -99,6 +99,45 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
         onnx_files.save(proto, path, external=external_data or bool(saved) or None)
 
 
+# Peak resident memory of an export, per byte of the model's float32 weights: the PyTorch model, the
+# exporter's copy of the graph, ONNX Runtime's session while validating and the optimizer's copy
+# (measured on an XLM-RoBERTa of bge-m3's shape, 2.27 GB of weights: docs/export-format.md).
+PEAK_PER_WEIGHT_BYTE = 4.0
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: MemAvailable, less where a cgroup (container) limit is lower."""
+    available = 0
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = open(limit_file).read().strip(), open(usage_file).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < (1 << 60):
+            available = min(available, int(limit) - int(usage))
+    return available
+
+
+def check_memory(config: EncoderConfig, model: Encoder) -> int:
+    """The export's expected peak memory in bytes; ExportError naming the need when the host cannot hold
+    it (checked before any graph is written, so a big model fails in seconds, not in swap)."""
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    need = int(weights * PEAK_PER_WEIGHT_BYTE)
+    free = available_memory()
+    if free and need > free:
+        raise ExportError(
+            f"exporting {config.name} needs about {need / (1 << 30):.1f} GiB of memory "
+            f"({PEAK_PER_WEIGHT_BYTE:g} x its {weights / (1 << 30):.2f} GiB of float32 weights); this host has "
+            f"{free / (1 << 30):.1f} GiB available; export on a host with more memory")
+    return need
+
+
 def _check_writable(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +199,8 @@ def export_model(
     out_dir = Path(out_dir)
     _check_writable(out_dir)
     model = (model or build_encoder(config)).eval()
+    need = check_memory(config, model)
+    say(f"[{config.name}] expected peak memory about {need / (1 << 30):.2f} GiB")
     contract = ExportContract(config, **({"opset": opset} if opset else {}))
     contracts = {name: dataclasses.replace(contract, path=GRAPHS[name].path) for name in graphs}
     target = out_dir / config.name

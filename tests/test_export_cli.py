@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -182,3 +183,18 @@ def test_failed_export_keeps_the_previous_export_intact(tmp_path, capsys, monkey
     assert main(["--out-dir", str(out), "--graphs", "perturbed", "--quiet", *SMALL]) == EXIT_VALIDATION_FAILED
     assert sorted(p.name for p in out.iterdir()) == ["default"]
     assert (out / "default" / "metadata.json").read_bytes() == (previous / "metadata.json").read_bytes()
+
+
+def test_an_export_the_host_cannot_hold_is_refused_before_any_graph_naming_the_need(tmp_path, capsys, monkeypatch):
+    import export.exporter
+
+    monkeypatch.setattr(export.exporter, "available_memory", lambda: 1024)  # a host with 1 KiB free
+    assert main(["--out-dir", str(tmp_path / "out"), *SMALL]) == EXIT_BAD_INPUT
+    line = _one_error_line(capsys)
+    assert "needs about" in line and "GiB of float32 weights" in line and "0.0 GiB available" in line
+    assert not any((tmp_path / "out").iterdir())  # nothing written, no staging left
+
+
+def test_the_summary_states_the_exports_peak_memory(written):
+    _, proc = written
+    assert re.search(r"wrote 1 export\(s\) in [\d.]+ s, peak memory [\d.]+ GiB", proc.stdout)
