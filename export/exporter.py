@@ -90,13 +90,7 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
             custom_translation_table=None if contract.path == DENSE else translation_table(),
         )
     program.save(str(path), external_data=True if external_data else None)  # None: external over 2 GB
-    saved = onnx_files.data_files(path)
-    proto = onnx.load(str(path))
-    if proto.ir_version > MAX_IR_VERSION:
-        proto.ir_version = MAX_IR_VERSION
-        for name in saved:  # torch's data file, replaced by ours
-            (path.parent / name).unlink()
-        onnx_files.save(proto, path, external=external_data or bool(saved) or None)
+    onnx_files.cap_ir_version(path, MAX_IR_VERSION)
 
 
 # Peak resident memory of an export, per byte of the model's float32 weights: the PyTorch model, the

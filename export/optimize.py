@@ -277,13 +277,7 @@ def ort_optimize(src: str, dst: str, level: str = "extended") -> None:
 
 
 def _cap_ir_version(path: str) -> None:
-    external = onnx_files.is_external(path)
-    proto = onnx.load(path)
-    if proto.ir_version > MAX_IR_VERSION:
-        proto.ir_version = MAX_IR_VERSION
-        for name in onnx_files.data_files(path):  # the writer's data file, replaced by ours
-            os.unlink(os.path.join(os.path.dirname(path) or ".", name))
-        onnx_files.save(proto, path, external=external)
+    onnx_files.cap_ir_version(path, MAX_IR_VERSION)
 
 
 # --------------------------------------------------------------------------- build functions

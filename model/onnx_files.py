@@ -53,6 +53,16 @@ def save(proto: onnx.ModelProto, path: str | Path, *, external: bool | None = No
         onnx.save_model(proto, str(path))
 
 
+def cap_ir_version(path: str | Path, most: int) -> None:
+    """Lowers the graph's IR version to `most` where a writer set it higher (onnx 1.23 writes 14;
+    onnxruntime 1.31 reads 13). Only the graph file is rewritten: external weights stay where they are,
+    since the graph refers to them by file, offset and length."""
+    proto = onnx.load(str(path), load_external_data=False)
+    if proto.ir_version > most:
+        proto.ir_version = most
+        onnx.save_model(proto, str(path))
+
+
 def is_external(path: str | Path) -> bool:
     """Whether the graph at `path` keeps weights in external data files."""
     return bool(data_files(path))
