@@ -95,8 +95,11 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
 
 # Peak resident memory of an export, per byte of the model's float32 weights: the PyTorch model, the
 # exporter's copy of the graph, ONNX Runtime's session while validating and the optimizer's copy
-# (measured: 10.1 GiB peak for the 2.12 GiB of an XLM-RoBERTa of bge-m3's shape, 4.8x; docs/export-format.md).
+# (measured on an XLM-RoBERTa of bge-m3's shape, 2.12 GiB of weights: 10.1 GiB peak for fp32,
+# optimized and sparse, 4.8x; 13.6 GiB for fp32 and int8, 6.4x, the quantizer holding copies of its
+# own; docs/export-format.md). fp16 is taken to cost what int8 does (not measured).
 PEAK_PER_WEIGHT_BYTE = 5.0
+PEAK_PER_WEIGHT_BYTE_CONVERTED = 7.0  # with an int8 or fp16 graph
 
 
 def available_memory() -> int:
@@ -118,16 +121,17 @@ def available_memory() -> int:
     return available
 
 
-def check_memory(config: EncoderConfig, model: Encoder) -> int:
+def check_memory(config: EncoderConfig, model: Encoder, graphs: tuple[str, ...] = ("fp32",)) -> int:
     """The export's expected peak memory in bytes; ExportError naming the need when the host cannot hold
     it (checked before any graph is written, so a big model fails in seconds, not in swap)."""
     weights = sum(p.numel() * 4 for p in model.parameters())
-    need = int(weights * PEAK_PER_WEIGHT_BYTE)
+    factor = PEAK_PER_WEIGHT_BYTE_CONVERTED if {"int8", "fp16"} & set(graphs) else PEAK_PER_WEIGHT_BYTE
+    need = int(weights * factor)
     free = available_memory()
     if free and need > free:
         raise ExportError(
             f"exporting {config.name} needs about {need / (1 << 30):.1f} GiB of memory "
-            f"({PEAK_PER_WEIGHT_BYTE:g} x its {weights / (1 << 30):.2f} GiB of float32 weights); this host has "
+            f"({factor:g} x its {weights / (1 << 30):.2f} GiB of float32 weights); this host has "
             f"{free / (1 << 30):.1f} GiB available; export on a host with more memory")
     return need
 
@@ -193,7 +197,7 @@ def export_model(
     out_dir = Path(out_dir)
     _check_writable(out_dir)
     model = (model or build_encoder(config)).eval()
-    need = check_memory(config, model)
+    need = check_memory(config, model, graphs)
     say(f"[{config.name}] expected peak memory about {need / (1 << 30):.2f} GiB")
     contract = ExportContract(config, **({"opset": opset} if opset else {}))
     contracts = {name: dataclasses.replace(contract, path=GRAPHS[name].path) for name in graphs}
