@@ -31,6 +31,7 @@ from model.attention_paths import DENSE, MAX_SEQUENCE, long_path
 from model.config import EncoderConfig
 from model.encoder import Encoder, build_encoder, with_path
 from model import onnx_files
+from model.host_memory import memory_free as available_memory  # the one reading of the cgroup
 from model.export_format import ExportError, GraphEntry, Metadata, TokenizerEntry, sha256_file, write_metadata
 
 # torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
@@ -100,25 +101,6 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
 # own; docs/export-format.md). fp16 is taken to cost what int8 does (not measured).
 PEAK_PER_WEIGHT_BYTE = 5.0
 PEAK_PER_WEIGHT_BYTE_CONVERTED = 7.0  # with an int8 or fp16 graph
-
-
-def available_memory() -> int:
-    """Bytes this process may still take: MemAvailable, less where a cgroup (container) limit is lower."""
-    available = 0
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit, usage = open(limit_file).read().strip(), open(usage_file).read().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and int(limit) < (1 << 60):
-            available = min(available, int(limit) - int(usage))
-    return available
 
 
 def check_memory(config: EncoderConfig, model: Encoder, graphs: tuple[str, ...] = ("fp32",)) -> int:

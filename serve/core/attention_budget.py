@@ -10,13 +10,13 @@ estimate exceeds the budget, so two admitted requests cannot add up past it eith
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes
 from model.config import EncoderConfig
+from model.host_memory import memory_limit as available_memory  # the one reading of the cgroup
 from model.mask_kinds import MaskKind
 from serve.errors import TooLarge
 
@@ -25,18 +25,6 @@ DEFAULT_SHARE = 0.5
 # What a client is told would fit, when its own request does not say (ModernBERT's local window).
 EXAMPLE_WINDOW, EXAMPLE_STEP = 128, 64
 MEMO_SIZE = 4096  # remembered (length, mask) answers; cleared when full
-
-
-def available_memory() -> int:
-    """Bytes this process may use: the cgroup (container) limit when there is one, else physical memory."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = open(path).read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < (1 << 60):
-            return int(text)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def default_budget() -> int:
