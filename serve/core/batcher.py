@@ -47,11 +47,10 @@ class Ticket:
     __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
                  "_result", "_error", "_callbacks")
 
-    def __init__(self, request: EncodeRequest, rows: Rows, deadline: float | None,
-                 attention_bytes: int = 0) -> None:
+    def __init__(self, request: EncodeRequest, rows: Rows, deadline: float | None) -> None:
         self.request = request
         self.rows = rows
-        self.attention_bytes = attention_bytes  # estimated (serve/core/attention_budget.py)
+        self.attention_bytes = rows.attention_bytes  # estimated at admission (serve/core/attention_budget.py)
         self.length = rows.longest
         self.enqueued = time.monotonic()
         self.deadline = deadline  # time.monotonic() value, or None
@@ -150,9 +149,8 @@ class Batcher:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request: EncodeRequest, rows: Rows, deadline: float | None = None,
-               attention_bytes: int = 0) -> Ticket:
-        ticket = Ticket(request, rows, deadline, attention_bytes)
+    def submit(self, request: EncodeRequest, rows: Rows, deadline: float | None = None) -> Ticket:
+        ticket = Ticket(request, rows, deadline)
         with self._cond:
             if self._closed:
                 raise Unavailable("server is shutting down; retry on another replica")

@@ -93,7 +93,7 @@ class Engine:
                     "(pooled embeddings only), or send the sequences one by one on EncodeStream")
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline expired before the request was admitted")
-        return self.batcher.submit(request, rows, deadline, rows.attention_bytes)
+        return self.batcher.submit(request, rows, deadline)
 
     def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
         """The request with its texts tokenized into `sequences` (rows like any token ids)."""
