@@ -11,7 +11,6 @@ otherwise, so small exports stay one file.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import onnx
@@ -89,12 +88,6 @@ def _tensors(graph):
                 yield from _tensors(sub)
 
 
-def total_bytes(path: str | Path) -> int:
-    """The graph file and its data files, in bytes."""
-    path = Path(path)
-    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in data_files(path))
-
-
 def copy(source: str | Path, target: str | Path) -> None:
     """Copies a graph file and its data files (the data files keep their names: the graph refers to them)."""
     import shutil
@@ -103,14 +96,3 @@ def copy(source: str | Path, target: str | Path) -> None:
     shutil.copyfile(source, target)
     for name in data_files(source):
         shutil.copyfile(source.parent / name, target.parent / name)
-
-
-def remove(path: str | Path) -> None:
-    """Removes a graph file and its data files."""
-    path = Path(path)
-    for name in data_files(path) if path.exists() else ():
-        try:
-            os.unlink(path.parent / name)
-        except FileNotFoundError:
-            pass
-    path.unlink(missing_ok=True)
