@@ -23,17 +23,57 @@ linear_attention:
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
-from onnxscript import ir
+from onnxscript import evaluator, ir
 from onnxscript import opset18 as op
 
-from model.attention_paths import CHUNK, MIN_BLOCK
+from model.attention_paths import CHUNK, MIN_BLOCK, QUERY_TILE
 from model.mask_kinds import MaskKind
 
 LOWEST = float(np.finfo(np.float32).min)
 # A query's largest score is clamped up to this, so that a query with no allowed key (largest score
 # LOWEST) gets exp(LOWEST - FLOOR) = 0 for every key instead of exp(0) = 1.
 FLOOR = -1e30
+
+
+# A key that is padding gets this added to its score on the fused path (an extra head column: 1 on
+# the query side, 0 or PAD_SCORE on the key side), so its exponential is exactly 0 next to any real key.
+PAD_SCORE = -1e30
+_subgraph_names = itertools.count()
+FLOAT = (ir.DataType.FLOAT,)
+
+
+def _node(op_type: str, inputs: list, attributes: dict, domain: str = ""):
+    """One node recorded as is, for what the opset wrappers cannot record: an op with a graph attribute
+    (Loop, If) or a contrib op (com.microsoft). Returns its single output."""
+    node = ir.Node(domain, op_type, inputs=inputs, num_outputs=1,
+                   attributes=[ir.convenience.convert_attribute(k, v) for k, v in attributes.items()])
+    evaluator.default().nodes.append(node)
+    return node.outputs[0]
+
+
+def _subgraph(build, inputs: tuple, types: tuple) -> ir.Graph:
+    """The nodes `build(*inputs)` records, as a graph of their own (a Loop body, an If branch); they may
+    use values of the enclosing graph (ONNX outer scope). Its values get names unique in the model;
+    its outputs the element `types` given (ONNX checks them against the node's)."""
+    outer = evaluator.default()
+    recorder = type(outer)(outer.opset, {})
+    with evaluator.default_as(recorder):
+        outputs = build(*inputs)
+    prefix = f"long_{next(_subgraph_names)}"
+    for i, node in enumerate(recorder.nodes):
+        node.name = f"{prefix}_n{i}"
+        for j, value in enumerate(node.outputs):
+            value.name = f"{prefix}_v{i}_{j}"
+    for value, dtype in zip(outputs, types, strict=True):
+        value.type = ir.TensorType(dtype)
+    return ir.Graph(inputs, outputs, nodes=recorder.nodes, name=prefix)
+
+
+def _scalar(name: str, dtype: ir.DataType) -> ir.Value:
+    return ir.Value(name=f"{name}_{next(_subgraph_names)}", type=ir.TensorType(dtype), shape=ir.Shape([]))
 
 
 def _i64(*values: int):
@@ -71,14 +111,64 @@ def _partial_softmax(scores, allowed, values):
     return top, op.ReduceSum(weights, _i64(-1), keepdims=1), op.MatMul(weights, values)
 
 
+def first_query(index, tile):
+    """The first query (on the strided part's group axis) of tile `index`: the tiling hook
+    (tests/test_tiled_attention.py breaks it to show that validation catches a wrong tile boundary)."""
+    return op.Mul(index, tile)
+
+
 def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
                              scale: float, limit: int = -1):
     if limit >= 0:
         return _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
                                       scale, limit)
+    heads, width = q.shape[1], q.shape[3]  # static: the fused op takes num_heads as an attribute
+    q = op.Mul(q, _f32(scale))  # scaled once, on the (T, d) side rather than on the scores
+    # A run of rows that all attend to every real key (a plan's bidirectional rows on a global layer
+    # arrive as dilated, step 1, not causal) goes to ONNX Runtime's fused attention; any other run to
+    # the banded + query-tiled strided parts. Neither holds a T x T tensor.
+    full = op.And(op.And(op.Equal(mask_kind, _i64(int(MaskKind.DILATED))), op.Not(op.Cast(mask_causal, to=ir.DataType.BOOL))),
+                  op.Equal(mask_step, _i64(1)))
+    every_row_full = op.Cast(op.ReduceMin(op.Cast(full, to=ir.DataType.INT64), keepdims=0), to=ir.DataType.BOOL)
+    return _node("If", [every_row_full], {
+        "then_branch": _subgraph(lambda: [_fused_full_attention(q, k, v, attention_mask, heads, width)], (), FLOAT),
+        "else_branch": _subgraph(lambda: [_banded_and_strided(q, k, v, attention_mask, mask_kind, mask_causal,
+                                                              mask_window, mask_step)], (), FLOAT),
+    })
+
+
+def _fused_full_attention(q, k, v, attention_mask, heads: int, width: int):
+    """softmax(Q·Kᵀ)·V over each row's real keys with com.microsoft MultiHeadAttention, whose CPU kernel
+    (MLAS flash attention) runs in L2-sized query × key tiles with an online softmax, never holding
+    T x T scores, when it has no mask input. The key padding therefore rides in the product: one more
+    head column, 1 for every query and 0 (real key) or PAD_SCORE (padding) for keys, so a padded key
+    scores PAD_SCORE and its exponential is exactly 0 beside any real key. A row with no real key
+    gets zeros (as on the dense path). q is already scaled (scale=1)."""
+    if not isinstance(heads, int) or not isinstance(width, int):
+        raise ValueError(f"the fused global layer needs static heads and head_dim, got {q.shape}")
+    batch_heads_length = op.Shape(q, start=0, end=3)  # [B, H, T]
+    column = op.Concat(batch_heads_length, _i64(1), axis=0)
+    real = op.Unsqueeze(op.Cast(attention_mask, to=ir.DataType.BOOL), _i64(1, 3))  # (B, 1, T, 1)
+    q_ext = op.Concat(q, op.Expand(_f32(1.0), column), axis=-1)  # (B, H, T, d + 1)
+    k_ext = op.Concat(k, op.Expand(op.Where(real, _f32(0.0), _f32(PAD_SCORE)), column), axis=-1)
+    seq_shape = op.Concat(op.Shape(q, start=0, end=1), op.Shape(q, start=2, end=3), _i64(-1), axis=0)  # [B, T, -1]
+
+    def by_token(x):  # (B, H, T, n) -> (B, T, H·n), the layout MultiHeadAttention takes
+        return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), seq_shape)
+
+    out = _node("MultiHeadAttention", [by_token(q_ext), by_token(k_ext), by_token(v)],
+                {"num_heads": heads, "scale": 1.0}, domain="com.microsoft")  # (B, T, H·d)
+    out = op.Transpose(op.Reshape(out, op.Concat(op.Shape(q, start=0, end=1), op.Shape(q, start=2, end=3),
+                                                 _i64(heads, width), axis=0)), perm=[0, 2, 1, 3])
+    any_key = op.Unsqueeze(op.Greater(op.ReduceMax(op.Cast(attention_mask, to=ir.DataType.INT64), _i64(1), keepdims=0),
+                                      _i64(0)), _i64(1, 2, 3))  # (B, 1, 1, 1)
+    return op.Where(any_key, out, _f32(0.0))  # (B, H, T, d)
+
+
+def _banded_and_strided(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step):
+    """Rows of every kind (q already scaled): the band part and the strided part, merged (module doc)."""
     lead = op.Shape(q, start=0, end=2)  # [B, H]
     length = op.Shape(q, start=2, end=3)  # [T]
-    q = op.Mul(q, _f32(scale))  # scaled once, on the (T, d) side rather than on the scores
     band_rows = op.Or(op.Equal(mask_kind, _i64(int(MaskKind.SLIDING_WINDOW))),
                       op.Equal(mask_kind, _i64(int(MaskKind.LOCAL_STRIDED))))
     strided_rows = op.Or(op.Equal(mask_kind, _i64(int(MaskKind.DILATED))),
@@ -120,7 +210,7 @@ def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, ma
 
     top1, sum1, out1 = band_to_sequence(top1), band_to_sequence(sum1), band_to_sequence(out1)
 
-    # ---- strided: the S interleaved sub-sequences attend within themselves
+    # ---- strided: the S interleaved sub-sequences attend within themselves, in tiles of queries
     step = op.ReduceMax(op.Where(strided_rows, mask_step, _i64(0)), keepdims=1)
     step = op.Min(op.Where(op.Greater(step, _i64(0)), step, length), op.Max(length, _i64(1)))  # S
     groups = _ceil_div(length, step)  # M
@@ -134,13 +224,36 @@ def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, ma
     qs, ks, vs = interleave(q), interleave(k), interleave(v)
     key_ok = op.Reshape(_pad_seq(valid, extra, 1), op.Concat(op.Shape(q, start=0, end=1), groups, step, axis=0))
     key_ok = op.Unsqueeze(op.Cast(op.Transpose(key_ok, perm=[0, 2, 1]), to=ir.DataType.BOOL), _i64(1, 3))  # (B,1,S,1,M)
-    g = op.Range(_i64(0), op.Squeeze(groups), _i64(1))
-    distance = op.Mul(op.Sub(op.Unsqueeze(g, _i64(1)), op.Unsqueeze(g, _i64(0))), step)  # (M, M): i - j
-    beyond_band = op.Greater(op.Abs(distance), _row(band_window, 5))
-    forward_ok = op.Or(op.Not(_row(causal, 5)), op.GreaterOrEqual(distance, _i64(0)))
-    allowed = op.And(op.And(op.And(_row(strided_rows, 5), beyond_band), forward_ok), key_ok)  # (B, 1, S, M, M)
-    scores = op.MatMul(qs, op.Transpose(ks, perm=[0, 1, 2, 4, 3]))  # (B, H, S, M, M)
-    top2, sum2, out2 = _partial_softmax(scores, allowed, vs)
+    ks_t = op.Transpose(ks, perm=[0, 1, 2, 4, 3])  # (B, H, S, d, M)
+    tile = op.Min(_i64(QUERY_TILE), groups)  # queries of each sub-sequence per tile
+    tiles = _ceil_div(groups, tile)
+    qs = _pad_seq(qs, op.Sub(op.Mul(tiles, tile), groups), 3)  # (B, H, S, tiles·tile, d)
+    keys_at = op.Unsqueeze(op.Range(_i64(0), op.Squeeze(groups), _i64(1)), _i64(0))  # (1, M)
+    strided_ok = _row(strided_rows, 5)
+    no_causal = op.Not(_row(causal, 5))
+    band_limit = _row(band_window, 5)
+
+    def one_tile(index, condition):
+        """Queries [start, start + tile) of every sub-sequence against all of its keys: scores
+        (B, H, S, tile, M), a tile's softmax pieces packed as (out, max, sum) on the last axis."""
+        start = first_query(index, tile)
+        q_tile = op.Slice(qs, start, op.Add(start, tile), _i64(3))  # (B, H, S, tile, d)
+        queries_at = op.Unsqueeze(op.Add(op.Range(_i64(0), op.Squeeze(tile), _i64(1)), start), _i64(1))  # (tile, 1)
+        distance = op.Mul(op.Sub(queries_at, keys_at), step)  # (tile, M): i - j
+        allowed = op.And(op.And(op.And(strided_ok, op.Greater(op.Abs(distance), band_limit)),
+                                op.Or(no_causal, op.GreaterOrEqual(distance, _i64(0)))), key_ok)  # (B, 1, S, tile, M)
+        top, total, out = _partial_softmax(op.MatMul(q_tile, ks_t), allowed, vs)
+        return [op.Identity(condition), op.Concat(out, top, total, axis=-1)]
+
+    body = _subgraph(one_tile, (_scalar("tile_index", ir.DataType.INT64), _scalar("tile_go_on", ir.DataType.BOOL)),
+                     (ir.DataType.BOOL, ir.DataType.FLOAT))
+    packed = _node("Loop", [op.Squeeze(tiles), op.Constant(value=ir.tensor(np.array(True)))], {"body": body})
+    packed = op.Transpose(packed, perm=[1, 2, 3, 0, 4, 5])  # (tiles, B, H, S, tile, d + 2) -> (B, H, S, tiles, tile, d + 2)
+    packed = op.Reshape(packed, op.Concat(lead, step, _i64(-1), op.Add(op.Shape(vs, start=4, end=5), _i64(2)), axis=0))
+    packed = op.Slice(packed, _i64(0), groups, _i64(3))  # (B, H, S, M, d + 2)
+    out2 = op.Slice(packed, _i64(0), _i64(-2), _i64(4))
+    top2 = op.Slice(packed, _i64(-2), _i64(-1), _i64(4))
+    sum2 = op.Slice(packed, _i64(-1), _i64(1 << 62), _i64(4))
 
     def strided_to_sequence(x):  # (B, H, S, M, n) -> (B, H, T, n)
         flat = op.Reshape(op.Transpose(x, perm=[0, 1, 3, 2, 4]), op.Concat(lead, span, _i64(-1), axis=0))

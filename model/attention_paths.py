@@ -37,6 +37,9 @@ PATHS = (DENSE, SPARSE, LINEAR)
 MAX_SEQUENCE = 1 << 20
 # Smallest block of the banded path (tiny blocks make many tiny matrix products).
 MIN_BLOCK = 16
+# Queries of each strided sub-sequence per tile on the sparse path's strided part (a Loop over
+# tiles): one tile's scores are (rows, heads, S, QUERY_TILE, T/S), never T x T.
+QUERY_TILE = 64
 # Query chunk of the causal linear path (quadratic inside a chunk, prefix sums across chunks).
 CHUNK = 64
 
