@@ -91,11 +91,14 @@ def path_kinds(path: str, config: EncoderConfig) -> frozenset:
 
 
 def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig, *, peak: bool = False) -> float:
-    """Attention score elements one row computes per head and layer on `path` (its work and memory).
-    With an attention plan the work is the mean over the layers and the memory (`peak`) the largest
-    layer's: a local layer on the sparse path costs its band T·3K, K = max(local_window, MIN_BLOCK),
-    whatever the row's kind; a global layer what the row's kind costs (bidirectional and causal rows:
-    T², as dense)."""
+    """Attention score elements one row computes per head and layer on `path` (its work), or holds at
+    once (`peak`, its memory). On the sparse path the strided part runs in tiles of QUERY_TILE queries
+    per sub-sequence, so it computes S·M² scores but holds S·min(M, QUERY_TILE)·M at a time (M = T/S).
+    With an attention plan the work is the mean over the layers and the memory the largest layer's: a
+    local layer on the sparse path costs its band T·3K, K = max(local_window, MIN_BLOCK), whatever the
+    row's kind; a global layer what the row's kind costs (bidirectional and causal rows: T² work, as
+    dense, in tiles of QUERY_TILE·T; bidirectional runs hold even less, in the fused kernel's L2-sized
+    tiles, which this estimate does not count on)."""
     t = max(length, 1)
     if path == DENSE:
         return float(t * t)
@@ -108,7 +111,7 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
         if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # global layers: dense (step 1)
             mask = RowMask(MaskKind.DILATED, 0, 1)
         plain = config.replace(local_layers=())
-        global_cost = score_elements(path, length, mask, plain)
+        global_cost = score_elements(path, length, mask, plain, peak=peak)
         n_local = len(config.local_layers)
         if peak:
             return float(max(local, global_cost) if n_local < config.n_layers else local)
@@ -119,7 +122,7 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
     if mask.kind.uses_step:
         step = min(max(mask.step, 1), t)
         groups = math.ceil(t / step)
-        strided = groups * step * groups
+        strided = groups * step * (min(groups, QUERY_TILE) if peak else groups)
     else:
         strided = t
     return float(band + strided)
