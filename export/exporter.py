@@ -33,6 +33,7 @@ from model.encoder import Encoder, build_encoder, with_path
 from model import onnx_files
 from model.host_memory import memory_free as available_memory  # the one reading of the cgroup
 from model.export_format import ExportError, GraphEntry, Metadata, TokenizerEntry, sha256_file, write_metadata
+from model.tasks import TaskError, check_task, task_for
 
 # torch.onnx warns once per missing torchvision op; irrelevant to an encoder.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -148,6 +149,7 @@ def export_model(
     extra_files: dict[str, Path] | None = None,
     tokenizer: TokenizerEntry | None = None,
     pooling: dict | None = None,
+    task: dict | None = None,
     long_length: int = 67,
     progress: Progress | None = None,
     external_data: bool = False,
@@ -155,6 +157,7 @@ def export_model(
     """Export `model` (default: the seeded encoder for `config`) into `out_dir/config.name/`.
 
     extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
+    task: metadata.json's "task" (model/tasks.py); default: task_for(config), {"kind": "embed"} without a head.
     external_data: every graph's weights in a `<graph file>.data` beside it (model/onnx_files.py);
     without it, only graphs whose weights exceed onnx_files.EXTERNAL_BYTES (protobuf's 2 GB limit).
     Raises ExportError (model/export_format.py) for bad requests and
@@ -176,6 +179,10 @@ def export_model(
         # the graph's order: not built for rotary configs yet.
         raise ExportError("graph variant fp16 is not built for positional='rotary' (rotary angles need "
                           "float32); export fp32, optimized, long or int8")
+    try:
+        task = check_task(task, config) if task is not None else task_for(config)
+    except TaskError as exc:
+        raise ExportError(f"[{config.name}] {exc}") from None
     out_dir = Path(out_dir)
     _check_writable(out_dir)
     model = (model or build_encoder(config)).eval()
@@ -221,6 +228,7 @@ def export_model(
                     for r in results},
             tokenizer=tokenizer,
             pooling=pooling,
+            task=task,
         )
         write_metadata(staging, metadata)
         staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user

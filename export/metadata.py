@@ -15,7 +15,8 @@ from model.export_format import GraphEntry, Metadata, TokenizerEntry
 
 
 def build_metadata(contract: ExportContract, *, graphs: dict[str, GraphEntry],
-                   tokenizer: TokenizerEntry | None = None, pooling: dict | None = None) -> Metadata:
+                   tokenizer: TokenizerEntry | None = None, pooling: dict | None = None,
+                   task: dict | None = None) -> Metadata:
     config = contract.config
     return Metadata(
         name=config.name,
@@ -33,4 +34,5 @@ def build_metadata(contract: ExportContract, *, graphs: dict[str, GraphEntry],
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         tokenizer=tokenizer,
         pooling=pooling or {"mode": "mean", "normalize": False},
+        **({"task": dict(task)} if task is not None else {}),
     )

@@ -99,16 +99,39 @@ def _cosine_min(a: np.ndarray, b: np.ndarray) -> float:
     return float(cos.min())
 
 
-def compare(actual: list[np.ndarray], expected: list[np.ndarray], feeds: dict, metric: str) -> float:
-    """The case's score: max abs error over valid positions, or min cosine of the pooled vectors."""
-    valid = feeds["attention_mask"].astype(bool)
+def _logits_agreement_min(a: np.ndarray, b: np.ndarray) -> float:
+    """Per row, 1 - |a - b|² / (2·max(|b|², 1)): the relative error e of a row of logits put on the cosine
+    scale (1 - e²/2 is the cosine of two vectors of equal norm, e apart), a norm below 1 counted as 1.
+    The cosine itself says nothing of one logit (it is its sign), nor of logits near 0."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    error = ((a64 - b64) ** 2).sum(-1)
+    scale = np.maximum((b64 ** 2).sum(-1), 1.0)
+    return float((1.0 - error / (2.0 * scale)).min(initial=1.0))
+
+
+def output_scores(actual: list[np.ndarray], expected: list[np.ndarray], feeds: dict, metric: str,
+                  head: str = "none") -> list[float]:
+    """One score per output, in graph order. max_abs: the max abs error (hidden states at valid positions,
+    every entry of the pooled vector and of the head's output). min_cosine: the hidden states are judged
+    through the pooled vectors (their score is repeated), the head's output by its rows: `head` "sparse"
+    (sparse_embedding) by their cosine, "classification" (logits) by their relative error on the cosine
+    scale (_logits_agreement_min)."""
     if metric == "max_abs":
-        hidden = np.abs(actual[0] - expected[0])[valid]
-        pooled = np.abs(actual[1] - expected[1])
-        return float(max(hidden.max(initial=0.0), pooled.max(initial=0.0)))
+        hidden = np.abs(actual[0] - expected[0])[feeds["attention_mask"].astype(bool)].max(initial=0.0)
+        return [float(hidden), *(float(np.abs(got - want).max(initial=0.0))
+                                 for got, want in zip(actual[1:], expected[1:]))]
     if metric == "min_cosine":
-        return _cosine_min(actual[1], expected[1])
+        pooled = _cosine_min(actual[1], expected[1])
+        agreement = _cosine_min if head == "sparse" else _logits_agreement_min
+        return [pooled, pooled, *(agreement(got, want) for got, want in zip(actual[2:], expected[2:]))]
     raise ValueError(f"unknown tolerance metric {metric!r}")
+
+
+def compare(actual: list[np.ndarray], expected: list[np.ndarray], feeds: dict, metric: str,
+            head: str = "none") -> float:
+    """The case's score: the worst of `output_scores`."""
+    scores = output_scores(actual, expected, feeds, metric, head)
+    return max(scores) if metric == "max_abs" else min(scores)
 
 
 def validate(
@@ -134,12 +157,13 @@ def validate(
                 raise ShapeMismatch(f"{case.label}: {spec.name} {got.shape} {got.dtype}, expected {want.shape} float32")
             if not np.isfinite(got).all():
                 raise NonFiniteOutput(f"{case.label}: {spec.name} has NaN or Inf")
-        score = compare(actual, expected, case.feeds, metric)
+        scores = output_scores(actual, expected, case.feeds, metric, head=contract.config.head)
+        score = max(scores) if metric == "max_abs" else min(scores)
         report.cases += 1
         report.per_case.append((case.label, score))
         worse = score > report.worst if metric == "max_abs" else score < report.worst
         if worse:
-            report.worst, report.worst_case = score, case.label
+            report.worst, report.worst_case = score, f"{case.label}, {out_names[scores.index(score)]}"
     failed = report.worst > limit if metric == "max_abs" else report.worst < limit
     if failed:
         raise ToleranceExceeded(

@@ -6,12 +6,13 @@ The torch-free contract, read by serve/ (which never imports torch) and export/:
   model.attention_paths which graph computes which kinds, at what cost and memory (plan-aware)
   model.signature       the graph's inputs and outputs
   model.export_format   the export directory format (metadata.json)
+  model.tasks           metadata.json's "task": what a model with a task head is for, how its logits become scores
   model.text            tokenizer helpers (tokenizers + numpy)
 
 The torch reference modules (import them directly): model.encoder (embeddings, rotary positions,
 layers, stack), model.attention (the attention layer and its paths), model.attention_math (the masked
 arithmetic it shares with model.long_attention, the long-input custom ops), model.masks, model.pooling,
-model.checkpoint (strict loading), model.hf_bert (Hugging Face BERT / RoBERTa / XLM-RoBERTa /
-ModernBERT directories).
+model.heads (task heads: classification, SPLADE), model.checkpoint (strict loading), model.hf_bert
+(Hugging Face BERT / RoBERTa / XLM-RoBERTa / ModernBERT directories) and model.hf_heads (their task heads).
 
 Imports point one way, torch half -> contract half, with no circle (tests/test_model_halves.py)."""

@@ -26,6 +26,13 @@ ACTIVATIONS = ("relu", "gelu")
 FFN_KINDS = ("standard", "gated")
 ATTENTION_KINDS = ("softmax", "additive", "linear", "performer")
 INPUT_KINDS = ("tokens", "features")
+# Task heads on the encoder (model/heads.py): none (embeddings only), a sequence classifier (cross-encoders,
+# classifiers: logits [B, num_labels]) or SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))).
+HEADS = ("none", "classification", "sparse")
+# What a classification head reads: the first token's hidden state, or the mean over valid tokens.
+HEAD_POOLINGS = ("cls", "mean")
+# The activation inside a head's transform (dense -> act -> optional LayerNorm): "gelu" is the exact (erf) GELU.
+HEAD_ACTIVATIONS = ("tanh", "gelu", "relu")
 
 
 class ConfigError(ValueError):
@@ -78,6 +85,19 @@ class EncoderConfig:
     # Random features m of performer attention (FAVOR+, φ(x) = exp(ω·x − ‖x‖²/2)/√m, ω ~ N(0, I)
     # drawn from `seed`); used by attention="performer" only.
     performer_features: int = 64
+    # Task head (model/heads.py; docs/export-format.md "Task heads"). The defaults are the headless encoder.
+    #   classification: pool (head_pooling) -> dense(D, D, bias=head_bias) -> head_activation -> LayerNorm if
+    #                   head_norm -> out(D, num_labels, bias=head_out_bias): logits [B, num_labels]
+    #   sparse (SPLADE): per token dense -> head_activation -> LayerNorm if head_norm -> out(D, vocab_size,
+    #                   bias=head_out_bias), then log1p(relu(.)), max over valid tokens: [B, vocab_size]
+    # The head's LayerNorm takes layer_norm_eps and norm_bias, as the encoder's.
+    head: str = "none"
+    num_labels: int = 1  # classification only
+    head_pooling: str = "cls"  # classification only
+    head_activation: str = "tanh"
+    head_norm: bool = False
+    head_bias: bool = True
+    head_out_bias: bool = True
     # Seed for the weights when no checkpoint is loaded: exports are reproducible.
     seed: int = 0
     # Free-form provenance (e.g. the checkpoint a config was read from); not used in the math.
@@ -94,11 +114,14 @@ class EncoderConfig:
             ("input_kind", INPUT_KINDS),
             ("ffn", FFN_KINDS),
             ("position_ids", POSITION_IDS),
+            ("head", HEADS),
+            ("head_pooling", HEAD_POOLINGS),
+            ("head_activation", HEAD_ACTIVATIONS),
         ):
             value = getattr(self, name)
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")
-        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions", "performer_features"):
+        for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions", "performer_features", "num_labels"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
@@ -133,6 +156,8 @@ class EncoderConfig:
             raise ConfigError(f"local_window must be >= 0, got {self.local_window}")
         if layers and self.attention != "softmax":
             raise ConfigError("local_layers (an attention plan) needs attention='softmax'")
+        if self.head == "sparse" and self.input_kind != "tokens":
+            raise ConfigError("head='sparse' needs input_kind='tokens' (its output has one entry per vocabulary id)")
 
     @property
     def head_dim(self) -> int:

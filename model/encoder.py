@@ -1,6 +1,7 @@
 """The reference encoder stack: embeddings, encoder layers, pooling (SEEDS.md, "Encoder layer").
 
-Read top to bottom: Embeddings -> EncoderLayer x N -> (final norm for pre-norm) -> outputs.
+Read top to bottom: Embeddings -> EncoderLayer x N -> (final norm for pre-norm) -> outputs (+ the task
+head's, model/heads.py, when config.head names one).
 `Encoder.forward` takes exactly the exported graph's inputs, in graph order (`model.signature`).
 """
 
@@ -16,6 +17,7 @@ from torch import nn
 from model.attention import MaskInputs, MultiHeadAttention
 from model.attention_paths import DENSE
 from model.config import EncoderConfig
+from model.heads import build_head
 from model.masks import build_allowed, within_window
 from model.pooling import mean_pool
 
@@ -142,6 +144,7 @@ class Encoder(nn.Module):
                                  persistent=False)
             self.register_buffer("rope_local", rotary_inverse_frequencies(config.head_dim, config.rope_theta_local),
                                  persistent=False)
+        self.head = build_head(config)  # None without a task head: the state dict is the headless one
 
     def forward(
         self,
@@ -153,7 +156,9 @@ class Encoder(nn.Module):
         mask_step: torch.Tensor,  # (B,) int64
         custom_mask: torch.Tensor | None = None,  # (B, T, T) bool; dense path only
         token_type_ids: torch.Tensor | None = None,  # (B, T) int64, BERT-family only
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
+        """(last_hidden_state (B, T, D), mean_pooled (B, D)), then the head's output when there is a head:
+        logits (B, num_labels) or sparse_embedding (B, vocab_size) (model/signature.py output_specs)."""
         masks = MaskInputs(attention_mask, mask_kind, mask_causal, mask_window, mask_step)
         if self.path == DENSE:
             if custom_mask is None:
@@ -173,7 +178,9 @@ class Encoder(nn.Module):
             h = layer(h, masks, rotary.get(layer.window))
         if self.final_norm is not None:
             h = self.final_norm(h)
-        return h, mean_pool(h, attention_mask)
+        if self.head is None:
+            return h, mean_pool(h, attention_mask)
+        return h, mean_pool(h, attention_mask), self.head(h, attention_mask)
 
 
 def with_path(model: Encoder, path: str) -> Encoder:

@@ -23,6 +23,7 @@ from typing import Any
 from model.attention_paths import DENSE
 from model.config import ConfigError, EncoderConfig, from_dict, to_dict
 from model.mask_kinds import MaskKind
+from model.tasks import EMBED, TaskError, check_task
 
 FORMAT = "onnx-encoder-export/1"
 METADATA_FILE = "metadata.json"
@@ -121,6 +122,8 @@ class Metadata:
     pooling: dict = field(default_factory=lambda: {"mode": "mean", "normalize": False})
     mask_kinds: dict[str, int] = field(default_factory=mask_kinds)
     format: str = FORMAT
+    # What the model is for (model/tasks.py): {"kind": "embed"} without a head, as exports before heads read.
+    task: dict = field(default_factory=lambda: dict(EMBED))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -136,6 +139,7 @@ class Metadata:
             "created": self.created,
             "tokenizer": self.tokenizer.as_dict() if self.tokenizer else None,
             "pooling": dict(self.pooling),
+            "task": dict(self.task),
         }
 
     def graph_file(self, root: str | Path, graph: str, *, verify: bool = True) -> tuple[Path, str]:
@@ -191,6 +195,10 @@ def metadata_from_dict(data: dict, where: str | Path = METADATA_FILE) -> Metadat
         graphs = {str(name): GraphEntry.from_dict(entry) for name, entry in (data.get("graphs") or {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ExportError(f"{where}: bad 'graphs' entry (needs file, sha256): {error!r}") from None
+    try:
+        task = check_task(data.get("task") or EMBED, config)
+    except TaskError as error:
+        raise ExportError(f"{where}: bad 'task': {error}") from None
     tokenizer = data.get("tokenizer")
     if tokenizer:
         try:
@@ -203,7 +211,7 @@ def metadata_from_dict(data: dict, where: str | Path = METADATA_FILE) -> Metadat
         inputs=tuple(data.get("inputs") or ()), outputs=tuple(data.get("outputs") or ()), graphs=graphs,
         versions=dict(data.get("versions") or {}), created=str(data.get("created", "unknown")),
         tokenizer=tokenizer or None, pooling=dict(data.get("pooling") or {"mode": "mean", "normalize": False}),
-        mask_kinds=dict(declared) if declared is not None else mask_kinds(),
+        mask_kinds=dict(declared) if declared is not None else mask_kinds(), task=task,
     )
 
 

@@ -8,7 +8,9 @@ sentence-transformers settings (pooling, max length), and the packaged all-MiniL
   load_minilm()               the pip-packaged all-MiniLM-L6-v2 (no hub access)
 
 Weights are loaded strictly by model/checkpoint.py (`fit_encoder`); the only checkpoint tensors dropped
-are on the short, explicit ignore lists below. No transformers at run time.
+are on the short, explicit ignore lists below. No transformers at run time. A task head (a
+*ForSequenceClassification checkpoint, a sentence-transformers SparseEncoder, `head="sparse"` on an MLM
+checkpoint) is loaded with the encoder, by model/hf_heads.py's tables.
 
   bert                 post-norm, learned positions 0, 1, 2, ..., token types, biases everywhere
   roberta, xlm-roberta BERT's layers and names; positions numbered from pad_token_id + 1 (RoBERTa's
@@ -34,6 +36,9 @@ from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import ConfigError, EncoderConfig
 from model.encoder import Encoder
 from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file
+from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_splade_pooling, check_transformer_task,
+                            detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint, with_head)
+from model.tasks import EMBED
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,11 +103,11 @@ MODERNBERT_LAYER_MODULES: Mapping[str, str] = {
 MODERNBERT_FUSED = "attn.Wqkv"
 MODERNBERT_SPLIT = ("attention.q_proj", "attention.k_proj", "attention.v_proj")
 MODERNBERT_IGNORED_PREFIXES = ("head.", "decoder.", "classifier.", "drop.")
-# Task heads the exporter does not export (yet): a checkpoint that carries one is refused naming it, since
-# exporting its encoder alone would serve embeddings for a model its owner believes classifies or reranks
-# (`--encoder-only` drops the head on purpose). Pretraining heads (BERT's cls., RoBERTa's lm_head.,
-# ModernBERT's head./decoder.) stay on the ignore lists: a base checkpoint ships them, and its encoder is
-# what people export.
+# Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token
+# classification, QA, multiple choice) is refused naming it, since exporting its encoder alone would serve
+# embeddings for a model its owner believes classifies (`--encoder-only` drops the head on purpose).
+# Pretraining heads (BERT's cls., RoBERTa's lm_head., ModernBERT's head./decoder.) stay on the ignore lists
+# unless the sparse head takes them: a base checkpoint ships them, and its encoder is what people export.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
 TASK_ARCHITECTURES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
                       "ForMultipleChoice")
@@ -124,7 +129,17 @@ ST_POOLING_MODES: Mapping[str, str] = {
 ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls"}
 # ... and names its modules by their new homes (sentence_transformers.base.modules.transformer.Transformer);
 # a module is known by its class name under the sentence_transformers package.
-_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)}
+_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE, ST_SPLADE_POOLING)}
+_ST_CLASSES["MLMTransformer"] = ST_TRANSFORMER  # a Transformer with transformer_task="fill-mask"
+# The modules after the Transformer, per head (sorted kinds): a Pooling (+ Normalize) for embeddings, a
+# SpladePooling for the sparse head (a SparseEncoder), none for a classification head (a CrossEncoder).
+ST_LAYOUTS: Mapping[str, tuple[list[str], ...]] = {
+    "none": ([ST_POOLING], [ST_NORMALIZE, ST_POOLING]),
+    "sparse": ([ST_SPLADE_POOLING],),
+    "classification": ([],),
+}
+ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Normalize)", "sparse": "one SpladePooling module (a SparseEncoder)",
+                   "classification": "no other module (a CrossEncoder)"}
 
 
 def _module_kind(kind: str | None) -> str | None:
@@ -228,6 +243,7 @@ class PretrainedModel:
     tokenizer_file: Path | None  # tokenizer.json, or None when the directory has none
     pooling: Mapping[str, Any]  # pooling_settings(...): {"mode": "mean", "normalize": True}
     max_length: int  # tokenizer truncation length (sentence-transformers' max_seq_length)
+    task: Mapping[str, Any] = field(default_factory=lambda: dict(EMBED))  # metadata.json's "task" (model/tasks.py)
 
     def tokenizer_metadata(self) -> TokenizerEntry | None:
         """metadata.json's "tokenizer" (model/export_format.py), or None without one."""
@@ -443,35 +459,8 @@ def load_bert_weights(config: EncoderConfig, tensors: Mapping[str, torch.Tensor]
                 name_in_checkpoint=encoder_to_bert_name)
 
 
-def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
-                                        max_positions: int | None = None) -> tuple[dict[str, Any], int]:
-    """(pooling, tokenizer max length) from modules.json & co.; plain BERT defaults without them.
-
-    Without sentence-transformers files: mean pooling, no normalisation, and the tokenizer's
-    model_max_length capped at the model's longest sequence (`max_positions`; default
-    max_position_embeddings; RoBERTa's is 2 less).
-    """
-    max_positions = int(max_positions or hf["max_position_embeddings"])
-    modules_file = directory / "modules.json"
-    if not modules_file.is_file():
-        length = max_positions
-        tok_cfg = directory / "tokenizer_config.json"
-        if tok_cfg.is_file():
-            declared = json.loads(tok_cfg.read_text()).get("model_max_length")
-            if isinstance(declared, int) and 0 < declared < length:
-                length = declared
-        return pooling_settings("mean", normalize=False), length
-
-    modules = json.loads(modules_file.read_text())
-    kinds = [_module_kind(m.get("type")) for m in modules]
-    unknown = [k for k in kinds if k not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)]
-    if unknown:
-        raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
-    if kinds.count(ST_TRANSFORMER) != 1 or kinds.count(ST_POOLING) != 1:
-        raise CheckpointError(f"{modules_file} needs exactly one Transformer and one Pooling module, has {kinds}")
-    by_type = {kind: m for kind, m in zip(kinds, modules)}
-
-    pooling_file = directory / by_type[ST_POOLING].get("path", "") / "config.json"
+def _pooling_module_settings(pooling_file: Path, normalize: bool) -> dict[str, Any]:
+    """pooling_settings from a sentence-transformers Pooling module's config.json (old flags or >= 6's name)."""
     settings = json.loads(pooling_file.read_text())
     modes = [mode for flag, mode in ST_POOLING_MODES.items() if settings.get(flag)]
     refused = [flag for flag in ST_UNSUPPORTED_POOLING_FLAGS if settings.get(flag)]
@@ -486,7 +475,52 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
             f"{pooling_file}: need exactly one of {', '.join(ST_POOLING_MODES)}; "
             f"found modes {modes} and unsupported {refused}"
         )
-    pooling = pooling_settings(modes[0], normalize=ST_NORMALIZE in kinds)
+    return pooling_settings(modes[0], normalize=normalize)
+
+
+def st_modules(directory: Path) -> list[tuple[str | None, dict]]:
+    """modules.json's (kind, entry) per module, kinds by their old names (_module_kind); [] without one."""
+    modules_file = directory / "modules.json"
+    if not modules_file.is_file():
+        return []
+    return [(_module_kind(m.get("type")), m) for m in json.loads(modules_file.read_text())]
+
+
+def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any], max_positions: int | None = None,
+                                        head: str = "none", dropped: bool = False) -> tuple[dict[str, Any], int]:
+    """(pooling, tokenizer max length) from modules.json & co.; plain BERT defaults without them.
+
+    Without sentence-transformers files: mean pooling, no normalisation, and the tokenizer's
+    model_max_length capped at the model's longest sequence (`max_positions`; default
+    max_position_embeddings; RoBERTa's is 2 less). The modules must be the `head`'s (ST_LAYOUTS); a
+    head `dropped` on purpose leaves a CrossEncoder's or SparseEncoder's encoder with mean pooling.
+    """
+    max_positions = int(max_positions or hf["max_position_embeddings"])
+    modules_file = directory / "modules.json"
+    if not modules_file.is_file():
+        length = max_positions
+        tok_cfg = directory / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            declared = json.loads(tok_cfg.read_text()).get("model_max_length")
+            if isinstance(declared, int) and 0 < declared < length:
+                length = declared
+        return pooling_settings("mean", normalize=False), length
+
+    modules = st_modules(directory)
+    kinds = [kind for kind, _ in modules]
+    unknown = [k for k in kinds if k not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE, ST_SPLADE_POOLING)]
+    if unknown:
+        raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
+    layouts = ST_LAYOUTS[head] + ((*ST_LAYOUTS["sparse"], *ST_LAYOUTS["classification"]) if dropped else ())
+    if kinds.count(ST_TRANSFORMER) != 1 or sorted(k for k in kinds if k != ST_TRANSFORMER) not in layouts:
+        raise CheckpointError(f"{modules_file} needs exactly one Transformer and {ST_LAYOUT_NAMES[head]}, has {kinds}")
+    by_type = dict(modules)
+    if head != "none":
+        check_transformer_task(directory, by_type[ST_TRANSFORMER], head)
+    if head == "sparse":
+        check_splade_pooling(directory, by_type[ST_SPLADE_POOLING])
+    pooling = _pooling_module_settings(directory / by_type[ST_POOLING].get("path", "") / "config.json",
+                                       ST_NORMALIZE in kinds) if ST_POOLING in kinds else pooling_settings("mean")
 
     length = max_positions
     bert_cfg = directory / by_type[ST_TRANSFORMER].get("path", "") / "sentence_bert_config.json"
@@ -504,12 +538,17 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any],
     return pooling, length
 
 
-def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False) -> PretrainedModel:
-    """A directory of a supported family as (config, eval-mode encoder, tokenizer file, pooling, max length).
+def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
+                    head: str | None = None) -> PretrainedModel:
+    """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
+    pooling, max length, task).
 
-    The architecture is checked first (config.json alone), so an unknown one is refused by name
-    before any weights are read. A checkpoint with a task head (TASK_HEAD_PREFIXES, or an
-    architecture in TASK_ARCHITECTURES) is refused naming the head's tensors unless `drop_head`."""
+    The architecture is checked first (config.json alone), so an unknown one is refused by name before any
+    weights are read. The head (model/hf_heads.py detect_head): `head` when given ("sparse" on an MLM
+    checkpoint), else the one the directory declares (a SparseEncoder's SpladePooling, a
+    *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
+    not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
+    tensors unless `drop_head`."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -517,9 +556,11 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     hf = json.loads(config_file.read_text())
     model_type = hf.get("model_type")
     config = encoder_config_from_hf(hf, name=name or _default_name(directory))
+    head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
+    with_head(config, hf, head)  # refuses a head config.json cannot describe before any weights are read
     tensors, weights_file = read_hf_weights(directory)
     longest = config.position_limit or config.max_positions
-    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest)
+    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     source = {
         "format": "hf-bert" if model_type == "bert" else f"hf-{model_type}",
         "directory": str(directory),
@@ -529,21 +570,26 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_bert_names(tensors, model_type)
+    found = map_head_tensors(model_type, head, tensors, ignored, FAMILY_PREFIXES[model_type], ours, back)
+    ours, back, unused = {**ours, **found.ours}, {**back, **found.back}, unused + found.unused
+    ignored = [n for n in ignored if n not in found.seen]
     heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
-    tasks = [a for a in source["architectures"] if a.endswith(TASK_ARCHITECTURES)]
+    tasks = [a for a in source["architectures"] if a.endswith(TASK_ARCHITECTURES)
+             and not (head == "classification" and a.endswith(SEQUENCE_CLASSIFICATION))]
     if (heads or tasks) and not drop_head:
         shown = ", ".join(heads[:6]) + (f" and {len(heads) - 6} more" if len(heads) > 6 else "")
         raise CheckpointError(
             f"{directory}: {' / '.join(tasks) or 'this checkpoint'} carries a task head "
-            f"({shown or 'declared by its architectures'}) that the exporter does not export; exporting the "
-            f"encoder alone would serve embeddings, not the head's scores. Pass --encoder-only to export the "
-            f"encoder without its head on purpose")
+            f"({shown or 'declared by its architectures'}) that the exporter does not export (it exports "
+            f"sequence classification and SPLADE heads); exporting the encoder alone would serve embeddings, not "
+            f"the head's scores. Pass --encoder-only to export the encoder without its head on purpose")
     if heads or tasks:
         source["dropped_head"] = heads
     source["ignored_tensors"] = ignored
-    config = encoder_config_from_hf(hf, name=config.name, source=source)
+    config = with_head(encoder_config_from_hf(hf, name=config.name, source=source), hf, head)
+    family_name = name_in_checkpoint(model_type)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
-                          name_in_checkpoint=name_in_checkpoint(model_type))
+                          name_in_checkpoint=lambda n: head_name_in_checkpoint(model_type, head, n) or family_name(n))
     tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(
         config=config,
@@ -551,6 +597,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
         pooling=pooling,
         max_length=max_length,
+        task=task_from_checkpoint(directory, hf, config),
     )
 
 

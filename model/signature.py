@@ -10,7 +10,9 @@ from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.mask_kinds import MASK_INPUTS
 
+# The two outputs of every graph; a model with a task head (config.head) has a third, `head_output`.
 OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
+HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding"}
 
 
 def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
@@ -28,9 +30,22 @@ def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, st
     return tuple(specs)
 
 
+def head_output(config: EncoderConfig) -> tuple[str, str, tuple[str | int, ...]] | None:
+    """(name, dtype, dims) of the task head's output, or None for a headless model: raw classification
+    logits [batch, num_labels], or SPLADE's sparse_embedding [batch, vocab_size] (model/heads.py)."""
+    if config.head == "classification":
+        return HEAD_OUTPUT_NAMES["classification"], "float32", ("batch", config.num_labels)
+    if config.head == "sparse":
+        return HEAD_OUTPUT_NAMES["sparse"], "float32", ("batch", config.vocab_size)
+    return None
+
+
 def output_specs(config: EncoderConfig) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
+    """The graph's outputs in order: the two base outputs, then the head's output when there is a head."""
     d = config.d_model
-    return (("last_hidden_state", "float32", ("batch", "sequence", d)), ("mean_pooled", "float32", ("batch", d)))
+    base = (("last_hidden_state", "float32", ("batch", "sequence", d)), ("mean_pooled", "float32", ("batch", d)))
+    head = head_output(config)
+    return base if head is None else (*base, head)
 
 
 def input_names(config: EncoderConfig, path: str = DENSE) -> tuple[str, ...]:

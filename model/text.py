@@ -41,8 +41,9 @@ def load_tokenizer(tokenizer_file: str | Path, max_length: int, pad_id: int = 0)
     return tokenizer
 
 
-def tokenize(tokenizer, texts: Sequence[str]) -> dict[str, np.ndarray]:
-    """input_ids, attention_mask, token_type_ids as int64 arrays (B, T) for a batch of texts."""
+def tokenize(tokenizer, texts: Sequence[str | tuple[str, str]]) -> dict[str, np.ndarray]:
+    """input_ids, attention_mask, token_type_ids as int64 arrays (B, T) for a batch of texts; an entry may be a
+    (text, text) pair, joined as the tokenizer's post-processor does ([CLS] a [SEP] b [SEP], type ids 1 on b)."""
     encodings = tokenizer.encode_batch(list(texts))
     return {
         "input_ids": np.asarray([e.ids for e in encodings], dtype=np.int64),

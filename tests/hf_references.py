@@ -14,6 +14,10 @@ import torch
 MODERNBERT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
                   local_attention=128, max_position_embeddings=8192)
+# RoBERTa / XLM-RoBERTa at a small width: pad id 1, positions numbered from 2 (140 - 2 tokens at most).
+ROBERTA = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=140, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+               layer_norm_eps=1e-5)
 WORDS = "the a of and to in is that it for on with as was by this be are long document encoder".split()
 
 

@@ -360,33 +360,34 @@ def test_onnx_export_of_minilm_matches_sentence_transformers(minilm, batch, st_e
 
 
 # ------------------------------------------------------------------ task heads are never dropped silently
+# (sequence classification is exported with its head: tests/test_heads.py)
 
 @pytest.fixture(scope="module")
-def tiny_cross_encoder(tiny_bert, tmp_path_factory):
-    """A BertForSequenceClassification checkpoint of one logit (a cross-encoder), saved by transformers."""
-    from transformers import BertConfig, BertForSequenceClassification
+def tiny_token_classifier(tiny_bert, tmp_path_factory):
+    """A BertForTokenClassification checkpoint (a head the exporter does not export), saved by transformers."""
+    from transformers import BertConfig, BertForTokenClassification
 
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(**TINY, num_labels=1)).eval()
-    directory = tmp_path_factory.mktemp("tiny-cross-encoder")
+    model = BertForTokenClassification(BertConfig(**TINY, num_labels=3)).eval()
+    directory = tmp_path_factory.mktemp("tiny-token-classifier")
     model.save_pretrained(str(directory))
     return directory
 
 
-def test_a_checkpoint_with_a_classification_head_is_refused_naming_the_head(tiny_cross_encoder):
-    with pytest.raises(CheckpointError, match=r"BertForSequenceClassification carries a task head "
+def test_a_checkpoint_with_a_token_classification_head_is_refused_naming_the_head(tiny_token_classifier):
+    with pytest.raises(CheckpointError, match=r"BertForTokenClassification carries a task head "
                                               r"\(classifier\.bias, classifier\.weight\).*--encoder-only"):
-        load_pretrained(tiny_cross_encoder)
+        load_pretrained(tiny_token_classifier)
 
 
-def test_encoder_only_exports_the_encoder_and_records_the_dropped_head(tiny_cross_encoder):
-    loaded = load_pretrained(tiny_cross_encoder, drop_head=True)
+def test_encoder_only_exports_the_encoder_and_records_the_dropped_head(tiny_token_classifier):
+    loaded = load_pretrained(tiny_token_classifier, drop_head=True)
     assert loaded.config.source["dropped_head"] == ["classifier.bias", "classifier.weight"]
 
 
-def test_the_export_cli_refuses_a_task_head_with_exit_2(tiny_cross_encoder, tmp_path, capsys):
+def test_the_export_cli_refuses_a_task_head_with_exit_2(tiny_token_classifier, tmp_path, capsys):
     from export.cli import EXIT_BAD_INPUT, main
 
     out = tmp_path / "out"
-    assert main(["--out-dir", str(out), "--from-pretrained", str(tiny_cross_encoder)]) == EXIT_BAD_INPUT
+    assert main(["--out-dir", str(out), "--from-pretrained", str(tiny_token_classifier)]) == EXIT_BAD_INPUT
     assert "--encoder-only" in capsys.readouterr().err and not out.exists()

@@ -25,13 +25,10 @@ from model.hf_bert import encoder_config_from_hf, load_pretrained, tokenize
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
 from model.pooling import l2_normalize
-from tests.hf_references import MODERNBERT, WORDS, modernbert_embedding_model, redraw
+from tests.hf_references import MODERNBERT, ROBERTA, WORDS, modernbert_embedding_model, redraw
 
 HIDDEN_ATOL = 1e-4  # the project's tolerance: hidden states at valid positions, max abs
 
-ROBERTA = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=140, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-               layer_norm_eps=1e-5)
 # Around ModernBERT's window (64) and its 2 windows, one token, and a padded batch.
 LENGTHS = [[1], [63], [64], [65], [129], [129, 65, 1, 64]]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.subprocess_env import REPO, repo_env
 
-CONTRACT = ("config", "mask_kinds", "attention_paths", "signature", "export_format", "text")
+CONTRACT = ("config", "mask_kinds", "attention_paths", "signature", "export_format", "tasks", "text")
 MODEL = REPO / "model"
 
 

@@ -1,0 +1,87 @@
+"""Task heads on the encoder's last hidden states (config.head; docs/export-format.md "Task heads").
+
+The `Encoder` owns one as `self.head` when config.head != "none", so every graph of an export (dense,
+the long-input paths, optimized, int8, fp16) carries it. Both heads have the same three parts, named
+alike in the state dict:
+
+  head.dense   Linear(D, D, bias=head_bias)     the transform, followed by head_activation
+  head.norm    LayerNorm(D) when head_norm       (eps layer_norm_eps, bias norm_bias, as the encoder's)
+  head.out     Linear(D, n, bias=head_out_bias)  n = num_labels (classification) or vocab_size (sparse)
+
+  classification  pooled = hidden[:, 0] ("cls") or the mean over valid tokens ("mean")  # (B, D)
+                  logits = out(norm(act(dense(pooled))))                                  # (B, num_labels)
+                  BERT: pooler + tanh + classifier; RoBERTa: classifier.dense + tanh + out_proj;
+                  ModernBERT: head (dense, act, norm) + classifier, pooled per classifier_pooling.
+  sparse (SPLADE) logits = out(norm(act(dense(hidden))))                                  # (B, T, vocab)
+                  sparse_embedding = max over valid tokens of log1p(relu(logits))         # (B, vocab)
+                  The MLM head of BERT / RoBERTa / ModernBERT with sentence-transformers' SpladePooling
+                  (max, relu). A row with no valid token gives zeros.
+
+Raw logits leave the graph; what turns them into scores (sigmoid, softmax) is metadata.json's "task"
+(model/tasks.py), applied by whoever reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import EncoderConfig
+from model.pooling import first_token, mean_pool
+
+HEAD_ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "gelu": F.gelu, "relu": F.relu}  # F.gelu: exact (erf)
+
+
+class _Transform(nn.Module):
+    """dense -> activation -> optional LayerNorm -> out: the parts both heads share."""
+
+    def __init__(self, config: EncoderConfig, out_features: int) -> None:
+        super().__init__()
+        d = config.d_model
+        self.dense = nn.Linear(d, d, bias=config.head_bias)
+        self.activation = HEAD_ACTIVATION_FUNCTIONS[config.head_activation]
+        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias) if config.head_norm else None
+        self.out = nn.Linear(d, out_features, bias=config.head_out_bias)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., out_features)."""
+        x = self.activation(self.dense(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out(x)
+
+
+class ClassificationHead(_Transform):
+    """Sequence classification: one row of logits per sequence, from its first token or its mean."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config, config.num_labels)
+        self.mean = config.head_pooling == "mean"
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pooled = mean_pool(hidden, attention_mask) if self.mean else first_token(hidden)  # (B, D)
+        return self.project(pooled)  # (B, num_labels)
+
+
+class SparseHead(_Transform):
+    """SPLADE: the MLM logits of every token, log1p(relu(.)), max over the valid tokens."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config, config.vocab_size)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        weights = torch.log1p(F.relu(self.project(hidden)))  # (B, T, vocab), >= 0
+        # >= 0 everywhere, so zeroing the padding and taking the max over all positions is the max over the
+        # valid ones (and 0 for a row without any).
+        valid = (attention_mask != 0).to(weights.dtype)[:, :, None]  # (B, T, 1)
+        return (weights * valid).amax(dim=1)  # (B, vocab)
+
+
+def build_head(config: EncoderConfig) -> nn.Module | None:
+    """The head config.head names, or None for a headless encoder."""
+    if config.head == "classification":
+        return ClassificationHead(config)
+    if config.head == "sparse":
+        return SparseHead(config)
+    return None

@@ -1,0 +1,211 @@
+"""Hugging Face task heads (model/heads.py), per family, as data: which checkpoint tensors make each head,
+which config.json keys set it up, and the sentence-transformers files that declare one. model/hf_bert.py
+loads the encoder and calls in here for the head.
+
+  classification  a *ForSequenceClassification checkpoint (a cross-encoder, a classifier; sentence-transformers'
+                  CrossEncoder saves one), loaded strictly: every head tensor is used
+  sparse          SPLADE: a *ForMaskedLM checkpoint's MLM head + sentence-transformers' SpladePooling (max, relu);
+                  a SparseEncoder directory declares it (modules.json), `--head sparse` forces it
+
+The MLM decoder's weight is tied to the word embeddings in Hugging Face checkpoints: read from the checkpoint's
+decoder weight when it has one, else from the embedding matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from model.checkpoint import CheckpointError
+from model.config import HEAD_POOLINGS, ConfigError, EncoderConfig
+from model.tasks import TaskError, score_activation, task_for
+
+# Family of each model_type, as the head tables below know it.
+HEAD_FAMILIES: Mapping[str, str] = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
+                                    "modernbert": "modernbert"}
+# (family, head) -> checkpoint module (names after the family's encoder prefix, "bert." ..., is stripped) -> ours.
+# Suffixes (.weight / .bias; old BERT LayerNorms' .gamma / .beta) carry over. Two modules naming one of ours are
+# transformers' tied copies (cls.predictions.bias = cls.predictions.decoder.bias): either, or both when equal.
+HEAD_MODULES: Mapping[tuple[str, str], Mapping[str, str]] = {
+    ("bert", "classification"): {"pooler.dense": "head.dense", "classifier": "head.out"},
+    ("roberta", "classification"): {"classifier.dense": "head.dense", "classifier.out_proj": "head.out"},
+    ("modernbert", "classification"): {"head.dense": "head.dense", "head.norm": "head.norm", "classifier": "head.out"},
+    ("bert", "sparse"): {"cls.predictions.transform.dense": "head.dense", "cls.predictions.transform.LayerNorm": "head.norm",
+                         "cls.predictions.decoder": "head.out", "cls.predictions": "head.out"},
+    ("roberta", "sparse"): {"lm_head.dense": "head.dense", "lm_head.layer_norm": "head.norm",
+                            "lm_head.decoder": "head.out", "lm_head": "head.out"},
+    ("modernbert", "sparse"): {"head.dense": "head.dense", "head.norm": "head.norm", "decoder": "head.out"},
+}
+# The MLM decoder's weight (ours) and what it is tied to (ours): the word embeddings.
+TIED_DECODER = ("head.out.weight", "embeddings.tokens.weight")
+_SUFFIXES = {"weight": "weight", "bias": "bias", "gamma": "weight", "beta": "bias"}
+
+# transformers' activation names we compute exactly, for ModernBERT's classifier_activation ("gelu" is the erf
+# GELU); the tanh approximations (gelu_new, gelu_pytorch_tanh, ...) are refused, as hidden_act is.
+HF_HEAD_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu", "tanh": "tanh"}
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+# sentence-transformers modules of the heads (by class name; old and new homes alike, see hf_bert._module_kind).
+ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
+# SpladePooling settings we compute; any other is refused naming it.
+SPLADE_SETTINGS: Mapping[str, str] = {"pooling_strategy": "max", "activation_function": "relu"}
+CROSS_ENCODER_TASK = "sequence-classification"  # sentence_bert_config.json's transformer_task of a CrossEncoder
+
+
+def _family(model_type: str) -> str:
+    return HEAD_FAMILIES[model_type]
+
+
+def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: str | None, drop_head: bool) -> str:
+    """The head to load: none when dropped (`--encoder-only`), else the one asked for (`--head`), else
+    sparse for a sentence-transformers SparseEncoder (a SpladePooling module), classification for a
+    *ForSequenceClassification architecture, else none (a base or MLM checkpoint exports its encoder)."""
+    if drop_head:
+        return "none"
+    if requested:
+        return requested
+    if ST_SPLADE_POOLING in st_kinds:
+        return "sparse"
+    if any(a.endswith(SEQUENCE_CLASSIFICATION) for a in hf.get("architectures") or []):
+        return "classification"
+    return "none"
+
+
+def head_fields(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+    """EncoderConfig head fields for the family's head (model/heads.py), from config.json."""
+    if head == "none":
+        return {}
+    family = _family(hf["model_type"])
+    fields: dict[str, Any] = {"head": head}
+    if family == "modernbert":  # head.dense (classifier_bias) -> classifier_activation -> head.norm
+        act = hf.get("classifier_activation", "gelu")
+        if act not in HF_HEAD_ACTIVATIONS:
+            raise CheckpointError(f"classifier_activation {act!r} is not supported; expected one of "
+                                  f"{', '.join(HF_HEAD_ACTIVATIONS)} (the tanh GELU approximations are not exact)")
+        fields.update(head_activation=HF_HEAD_ACTIVATIONS[act], head_norm=True,
+                      head_bias=bool(hf.get("classifier_bias", False)),
+                      head_out_bias=True if head == "classification" else bool(hf.get("decoder_bias", True)))
+        pooling = hf.get("classifier_pooling", "cls")  # mean: over valid tokens, as ours
+        if head == "classification" and pooling not in HEAD_POOLINGS:
+            raise CheckpointError(f"classifier_pooling {pooling!r} is not supported; expected one of "
+                                  f"{', '.join(HEAD_POOLINGS)}")
+        if head == "classification":
+            fields["head_pooling"] = pooling
+    elif head == "classification":  # BERT's pooler, RoBERTa's classifier.dense: tanh, no norm
+        fields.update(head_pooling="cls", head_activation="tanh", head_norm=False, head_bias=True, head_out_bias=True)
+    else:  # the MLM transform: BERT's with hidden_act (checked with the encoder's), RoBERTa's lm_head with gelu
+        act = hf.get("hidden_act", "gelu") if family == "bert" else "gelu"
+        fields.update(head_activation=act, head_norm=True, head_bias=True, head_out_bias=True)
+    if head == "classification":
+        fields["num_labels"] = len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+    return fields
+
+
+def with_head(config: EncoderConfig, hf: Mapping[str, Any], head: str) -> EncoderConfig:
+    """`config` with the head's fields (head_fields); a CheckpointError naming what does not fit."""
+    try:
+        return config.replace(**head_fields(hf, head))
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json does not describe a valid {head} head: {exc}") from exc
+
+
+@dataclass
+class HeadTensors:
+    """A checkpoint's head tensors in our names (`ours`, with `back`: our name -> the checkpoint's), every
+    checkpoint name under the head's modules (`seen`), and those of them that fit nothing (`unused`, as shown)."""
+
+    ours: dict[str, torch.Tensor] = field(default_factory=dict)
+    back: dict[str, str] = field(default_factory=dict)
+    seen: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+
+def map_head_tensors(model_type: str, head: str, tensors: Mapping[str, torch.Tensor], names: list[str],
+                     prefix: str, encoder: Mapping[str, torch.Tensor], encoder_names: Mapping[str, str]) -> HeadTensors:
+    """The head's tensors among `names` (checkpoint names the encoder did not take), by HEAD_MODULES; the
+    decoder weight, when the checkpoint has none, from the word embeddings it is tied to (`encoder`: the
+    encoder's tensors in our names, `encoder_names`: their checkpoint names)."""
+    found = HeadTensors()
+    if head == "none":
+        return found
+    modules = HEAD_MODULES[(_family(model_type), head)]
+    for name in names:
+        bare = name[len(prefix):] if name.startswith(prefix) else name
+        module, _, suffix = bare.rpartition(".")
+        if not any(bare.startswith(m + ".") for m in modules):
+            continue  # not this head's (an NSP head, a pooler beside an MLM head, ...): stays ignored
+        found.seen.append(name)
+        target = f"{modules[module]}.{_SUFFIXES[suffix]}" if module in modules and suffix in _SUFFIXES else None
+        if target is None:
+            found.unused.append(name)
+        elif target not in found.ours:
+            found.ours[target], found.back[target] = tensors[name], name
+        elif not torch.equal(found.ours[target], tensors[name]):  # else a tied copy
+            found.unused.append(f"{name} (differs from its tied copy {found.back[target]})")
+    decoder, tied = TIED_DECODER
+    if head == "sparse" and decoder not in found.ours and tied in encoder:
+        found.ours[decoder], found.back[decoder] = encoder[tied], f"{encoder_names[tied]} (tied)"
+    return found
+
+
+def head_name_in_checkpoint(model_type: str, head: str, name: str) -> str | None:
+    """The checkpoint's name of one of our head tensors (for messages about tensors a checkpoint lacks)."""
+    if head == "none" or not name.startswith("head."):
+        return None
+    module, _, suffix = name.rpartition(".")
+    theirs = [m for m, ours in HEAD_MODULES[(_family(model_type), head)].items() if ours == module]
+    return " or ".join(f"{m}.{suffix}" for m in theirs) or None
+
+
+# --------------------------------------------------------------------------------------------
+# sentence-transformers: a SparseEncoder's SpladePooling, a CrossEncoder's activation.
+
+
+def check_splade_pooling(directory: Path, module: Mapping[str, Any]) -> None:
+    """Refuses SpladePooling settings other than SPLADE_SETTINGS (max pooling of log1p(relu)), naming them."""
+    path = directory / module.get("path", "") / "config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    wrong = [f"{key}={settings[key]!r}" for key, want in SPLADE_SETTINGS.items() if settings.get(key, want) != want]
+    if wrong:
+        raise CheckpointError(f"{path}: SpladePooling with {', '.join(wrong)} is not supported; the sparse head "
+                              f"computes {', '.join(f'{k}={v!r}' for k, v in SPLADE_SETTINGS.items())}")
+
+
+def check_transformer_task(directory: Path, module: Mapping[str, Any], head: str) -> None:
+    """A sentence-transformers Transformer module's transformer_task must be the head's: fill-mask under a
+    SpladePooling (MLM logits), sequence-classification for a CrossEncoder."""
+    path = directory / module.get("path", "") / "sentence_bert_config.json"
+    task = json.loads(path.read_text()).get("transformer_task") if path.is_file() else None
+    expected = {"sparse": "fill-mask", "classification": CROSS_ENCODER_TASK}.get(head)
+    if task is not None and expected is not None and task != expected:
+        raise CheckpointError(f"{path}: transformer_task {task!r} does not give the {head} head's input "
+                              f"(expected {expected!r})")
+
+
+def cross_encoder_activation_fn(directory: Path, hf: Mapping[str, Any]) -> str | None:
+    """The activation_fn a sentence-transformers CrossEncoder saved: config.json's "sentence_transformers"
+    (v4, v5), config_sentence_transformers.json (v6), or the pre-v4 sbert_ce_default_activation_function."""
+    declared = (hf.get("sentence_transformers") or {}).get("activation_fn")
+    st_file = directory / "config_sentence_transformers.json"
+    if declared is None and st_file.is_file():
+        declared = json.loads(st_file.read_text()).get("activation_fn")
+    return declared if declared is not None else hf.get("sbert_ce_default_activation_function")
+
+
+def task_from_checkpoint(directory: Path, hf: Mapping[str, Any], config: EncoderConfig) -> dict:
+    """metadata.json's "task" (model/tasks.py) for a loaded checkpoint: labels from id2label in label-id
+    order, the score activation from the CrossEncoder's activation_fn, else problem_type, else num_labels."""
+    try:
+        if config.head != "classification":
+            return task_for(config)
+        id2label = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
+        labels = [id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
+        activation = score_activation(config.num_labels, activation_fn=cross_encoder_activation_fn(directory, hf),
+                                      problem_type=hf.get("problem_type"))
+        return task_for(config, labels=labels, activation=activation)
+    except TaskError as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc

@@ -1,0 +1,90 @@
+"""metadata.json's "task": what an export's model is for, and how its head output becomes an answer.
+Torch-free: the exporter writes it, the server reads it (docs/export-format.md "task").
+
+  {"kind": "embed"}                                              no head (the default; older exports)
+  {"kind": "rerank", "output": "logits", "labels": [...],        classification head of one label
+   "activation": "sigmoid" | "softmax" | "none", "pair": true}   (as text-embeddings-inference decides)
+  {"kind": "classify", ...the same fields}                      classification head of > 1 label
+  {"kind": "sparse", "output": "sparse_embedding"}              SPLADE head
+
+"activation" turns logits into scores when a client does not ask for raw ones: a sentence-transformers
+CrossEncoder's own activation_fn when it names one, else the checkpoint's problem_type, else sigmoid for one
+label and softmax for more. "pair": the model takes a text or a text pair (a pair is tokenized as the
+tokenizer's post-processor joins two texts, with token_type_ids where the family has them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from model.config import EncoderConfig
+from model.signature import head_output
+
+TASK_KINDS = ("embed", "rerank", "classify", "sparse")
+SCORE_ACTIVATIONS = ("sigmoid", "softmax", "none")
+EMBED: Mapping[str, Any] = {"kind": "embed"}
+# sentence-transformers' CrossEncoder stores activation_fn as a class path (torch.nn.modules.activation.Sigmoid,
+# torch.nn.modules.linear.Identity, ...): its class name -> our activation.
+ST_ACTIVATION_CLASSES: Mapping[str, str] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
+# transformers' problem_type -> the activation its loss implies.
+PROBLEM_TYPE_ACTIVATIONS: Mapping[str, str] = {"multi_label_classification": "sigmoid", "regression": "none",
+                                               "single_label_classification": "softmax"}
+
+
+class TaskError(ValueError):
+    """A task that cannot be written or read as this module says; the message names the field."""
+
+
+def score_activation(num_labels: int, *, activation_fn: str | None = None, problem_type: str | None = None) -> str:
+    """The activation that turns a classifier's logits into scores (the precedence: module docstring)."""
+    if activation_fn is not None:
+        module, _, name = str(activation_fn).rpartition(".")
+        if not module.startswith("torch.") or name not in ST_ACTIVATION_CLASSES:
+            raise TaskError(f"activation_fn {activation_fn!r} is not one of the torch activations "
+                            f"{', '.join(ST_ACTIVATION_CLASSES)}")
+        return ST_ACTIVATION_CLASSES[name]
+    if problem_type is not None:
+        if problem_type not in PROBLEM_TYPE_ACTIVATIONS:
+            raise TaskError(f"problem_type {problem_type!r} is not one of {', '.join(PROBLEM_TYPE_ACTIVATIONS)}")
+        return PROBLEM_TYPE_ACTIVATIONS[problem_type]
+    return "sigmoid" if num_labels == 1 else "softmax"
+
+
+def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None) -> dict:
+    """The "task" of a model with `config`: labels default to LABEL_0, LABEL_1, ... and the activation to
+    score_activation(num_labels)."""
+    head = head_output(config)
+    if head is None:
+        return dict(EMBED)
+    if config.head == "sparse":
+        return {"kind": "sparse", "output": head[0]}
+    labels = [f"LABEL_{i}" for i in range(config.num_labels)] if labels is None else [str(v) for v in labels]
+    return check_task({"kind": "rerank" if config.num_labels == 1 else "classify", "output": head[0],
+                       "labels": labels, "activation": activation or score_activation(config.num_labels),
+                       "pair": True}, config)
+
+
+def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
+    """`task` checked against the model it describes (kind, output, labels, activation); a TaskError naming the
+    field otherwise. Returns a plain dict copy."""
+    if not isinstance(task, Mapping) or task.get("kind") not in TASK_KINDS:
+        raise TaskError(f"task kind {task.get('kind') if isinstance(task, Mapping) else task!r} is not one of "
+                        f"{', '.join(TASK_KINDS)}")
+    head = head_output(config)
+    kind = task["kind"]
+    expected = "embed" if head is None else "sparse" if config.head == "sparse" else \
+        "rerank" if config.num_labels == 1 else "classify"
+    if kind != expected:
+        raise TaskError(f"task kind {kind!r} does not fit head={config.head!r} with num_labels={config.num_labels} "
+                        f"(expected {expected!r})")
+    if head is not None and task.get("output") != head[0]:
+        raise TaskError(f"task output {task.get('output')!r} is not the head's output {head[0]!r}")
+    if config.head == "classification":
+        labels = task.get("labels")
+        if not isinstance(labels, (list, tuple)) or len(labels) != config.num_labels:
+            raise TaskError(f"task labels {labels!r} are not {config.num_labels} label name(s)")
+        if task.get("activation") not in SCORE_ACTIVATIONS:
+            raise TaskError(f"task activation {task.get('activation')!r} is not one of {', '.join(SCORE_ACTIVATIONS)}")
+        if not isinstance(task.get("pair"), bool):
+            raise TaskError(f"task pair {task.get('pair')!r} is not true or false")
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in task.items()}
