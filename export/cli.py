@@ -93,7 +93,8 @@ def _plan(args: argparse.Namespace) -> list[dict]:
             config = config.replace(name=args.name)
         files = {TOKENIZER_FILE: pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
         return [dict(config=config, model=pretrained.encoder, extra_files=files, tokenizer=pretrained.tokenizer_metadata(),
-                     pooling=pretrained.pooling, task=dict(pretrained.task))]
+                     pooling=pretrained.pooling, task=dict(pretrained.task), prompts=dict(pretrained.prompts),
+                     default_prompt_name=pretrained.default_prompt_name)]
     base = EncoderConfig()
     if args.config:
         try:

@@ -150,6 +150,8 @@ def export_model(
     tokenizer: TokenizerEntry | None = None,
     pooling: dict | None = None,
     task: dict | None = None,
+    prompts: dict | None = None,
+    default_prompt_name: str | None = None,
     long_length: int = 67,
     progress: Progress | None = None,
     external_data: bool = False,
@@ -229,6 +231,8 @@ def export_model(
             tokenizer=tokenizer,
             pooling=pooling,
             task=task,
+            prompts=prompts,
+            default_prompt_name=default_prompt_name,
         )
         write_metadata(staging, metadata)
         staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user

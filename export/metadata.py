@@ -16,7 +16,8 @@ from model.export_format import GraphEntry, Metadata, TokenizerEntry
 
 def build_metadata(contract: ExportContract, *, graphs: dict[str, GraphEntry],
                    tokenizer: TokenizerEntry | None = None, pooling: dict | None = None,
-                   task: dict | None = None) -> Metadata:
+                   task: dict | None = None, prompts: dict | None = None,
+                   default_prompt_name: str | None = None) -> Metadata:
     config = contract.config
     return Metadata(
         name=config.name,
@@ -35,4 +36,6 @@ def build_metadata(contract: ExportContract, *, graphs: dict[str, GraphEntry],
         tokenizer=tokenizer,
         pooling=pooling or {"mode": "mean", "normalize": False},
         **({"task": dict(task)} if task is not None else {}),
+        prompts=dict(prompts or {}),
+        default_prompt_name=default_prompt_name or None,
     )

@@ -124,6 +124,10 @@ class Metadata:
     format: str = FORMAT
     # What the model is for (model/tasks.py): {"kind": "embed"} without a head, as exports before heads read.
     task: dict = field(default_factory=lambda: dict(EMBED))
+    # sentence-transformers prompts (config_sentence_transformers.json): name -> the text put before a text
+    # (a request's prompt_name), and the one applied when a request names none ("" / None: no default)
+    prompts: dict = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -140,6 +144,8 @@ class Metadata:
             "tokenizer": self.tokenizer.as_dict() if self.tokenizer else None,
             "pooling": dict(self.pooling),
             "task": dict(self.task),
+            "prompts": dict(self.prompts),
+            "default_prompt_name": self.default_prompt_name,
         }
 
     def graph_file(self, root: str | Path, graph: str, *, verify: bool = True) -> tuple[Path, str]:
@@ -199,6 +205,9 @@ def metadata_from_dict(data: dict, where: str | Path = METADATA_FILE) -> Metadat
         task = check_task(data.get("task") or EMBED, config)
     except TaskError as error:
         raise ExportError(f"{where}: bad 'task': {error}") from None
+    prompts, default_prompt = _prompts(data.get("prompts"), where), data.get("default_prompt_name") or None
+    if default_prompt is not None and default_prompt not in prompts:
+        raise ExportError(f"{where}: default_prompt_name {default_prompt!r} is not one of its prompts {sorted(prompts)}")
     tokenizer = data.get("tokenizer")
     if tokenizer:
         try:
@@ -212,7 +221,17 @@ def metadata_from_dict(data: dict, where: str | Path = METADATA_FILE) -> Metadat
         versions=dict(data.get("versions") or {}), created=str(data.get("created", "unknown")),
         tokenizer=tokenizer or None, pooling=dict(data.get("pooling") or {"mode": "mean", "normalize": False}),
         mask_kinds=dict(declared) if declared is not None else mask_kinds(), task=task,
+        prompts=prompts, default_prompt_name=default_prompt,
     )
+
+
+def _prompts(value, where) -> dict:
+    """metadata.json's "prompts": {name: text}, both strings."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ExportError(f"{where}: bad 'prompts' (expected {{name: text}} of strings): {value!r}")
+    return dict(value)
 
 
 def read_metadata(root: str | Path) -> Metadata:

@@ -244,6 +244,9 @@ class PretrainedModel:
     pooling: Mapping[str, Any]  # pooling_settings(...): {"mode": "mean", "normalize": True}
     max_length: int  # tokenizer truncation length (sentence-transformers' max_seq_length)
     task: Mapping[str, Any] = field(default_factory=lambda: dict(EMBED))  # metadata.json's "task" (model/tasks.py)
+    # sentence-transformers prompts (read_prompts): name -> text put before a text, and the default one
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
     def tokenizer_metadata(self) -> TokenizerEntry | None:
         """metadata.json's "tokenizer" (model/export_format.py), or None without one."""
@@ -598,7 +601,28 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         pooling=pooling,
         max_length=max_length,
         task=task_from_checkpoint(directory, hf, config),
+        **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )
+
+
+ST_CONFIG = "config_sentence_transformers.json"
+
+
+def read_prompts(directory: Path) -> tuple[dict[str, str], str | None]:
+    """(prompts, default prompt name) from a sentence-transformers directory's config_sentence_transformers.json
+    ({} and None without one): the texts its `encode(prompt_name=...)` puts before a text, served as
+    requests' prompt_name (TEI's field)."""
+    path = directory / ST_CONFIG
+    if not path.is_file():
+        return {}, None
+    settings = json.loads(path.read_text())
+    prompts = settings.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise CheckpointError(f"{path}: prompts must map names to texts, got {prompts!r}")
+    default = settings.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise CheckpointError(f"{path}: default_prompt_name {default!r} is not one of its prompts {sorted(prompts)}")
+    return dict(prompts), default
 
 
 # --------------------------------------------------------------------------------------------

@@ -724,3 +724,48 @@ def test_while_another_model_is_active_a_model_leaves_it_one_slot():
     stop.set()
     scheduler.wake()
     assert wait_until(lambda: scheduler.busy() == (2, 0), 10) and not second.is_set()
+
+
+# -- tasks (serve/core/tasks.py) and sentence pairs in a batch ------------------------------------------
+
+def test_a_pairs_token_types_reach_the_graph_and_other_rows_get_zeros():
+    from serve.backend.feeds import Rows
+
+    config = EncoderConfig(type_vocab_size=2)
+    pair = Rows(np.array([[1, 2, 3, 4]]), np.array([4]), types=np.array([[0, 0, 1, 1]]))
+    single = Rows(np.array([[5, 6, 0, 0]]), np.array([2]))
+    feeds = pad_batch([(pair, None), (single, None)], 4, config)
+    np.testing.assert_array_equal(feeds["token_type_ids"], [[0, 0, 1, 1], [0, 0, 0, 0]])
+
+
+def test_rerank_order_is_highest_first_with_ties_in_document_order_and_top_n():
+    from serve.core import tasks
+
+    np.testing.assert_array_equal(tasks.ranking(np.array([0.1, 0.9, 0.5, 0.9])), [1, 3, 2, 0])
+    np.testing.assert_array_equal(tasks.ranking(np.array([0.1, 0.9, 0.5, 0.9]), 2), [1, 3])
+
+
+def test_scores_are_the_exports_activation_of_the_logits_unless_raw():
+    from serve.core import tasks
+
+    logits = np.array([[0.0, np.log(3.0)]], np.float32)
+    np.testing.assert_allclose(tasks.activate(logits, "softmax"), [[0.25, 0.75]], rtol=1e-6)
+    np.testing.assert_allclose(tasks.activate(logits, "sigmoid"), [[0.5, 0.75]], rtol=1e-6)
+    np.testing.assert_array_equal(tasks.activate(logits, "softmax", raw=True), logits)
+
+
+def test_a_route_that_does_not_fit_the_task_lists_the_routes_that_do():
+    from serve.core import tasks
+
+    routes = {"POST /embed": "embed", "POST /rerank": "rerank", "POST /predict": "predict"}
+    tasks.check("rerank", "predict", route="POST /predict", model="m", routes=routes)
+    with pytest.raises(errors.ValidationError, match=r"task 'rerank'.*Routes that fit it: POST /rerank, POST /predict"):
+        tasks.check("rerank", "embed", route="POST /embed", model="m", routes=routes)
+
+
+def test_model_path_names_the_route_and_the_model():
+    from serve.transport.http import _model_path
+
+    assert _model_path("/models/reranker/rerank") == ("/rerank", "reranker")
+    assert _model_path("/models/reranker") == ("/", "reranker")
+    assert _model_path("/v1/models") == ("/v1/models", None)

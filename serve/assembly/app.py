@@ -37,7 +37,10 @@ from serve.core.admission import Admission
 from serve.core.engine import Reloaded
 from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
-from serve.protocols.encoder_v1 import ENCODE, EncoderServicer
+from serve.protocols import tei
+from serve.protocols.encoder_v1 import CLASSIFY, EMBED_SPARSE, ENCODE, RERANK, EncoderServicer
+from serve.protocols.rerank_api import RerankAPIs
+from serve.protocols.tei import TEIService
 from serve.transport import native
 from serve.protocols import kserve_rest, openai as openai_api
 from serve.protocols.kserve_rest import KServeRest
@@ -79,6 +82,9 @@ class EncoderServer:
         encoder = EncoderServicer(self.admit, self.metrics, config.max_request_bytes)
         pb_grpc.add_EncoderServiceServicer_to_server(encoder, registry)
         registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
+        registry.add_started(RERANK, encoder.start_rerank, pb.RerankRequest.FromString)
+        registry.add_started(CLASSIFY, encoder.start_classify, pb.ClassifyRequest.FromString)
+        registry.add_started(EMBED_SPARSE, encoder.start_embed_sparse, pb.EmbedSparseRequest.FromString)
         # KServe v2 / Open Inference Protocol on the same engine (serve/protocols/kserve_v2.py, docs/deployment.md)
         v2 = kserve.add_kserve_to_server(self.admit, self.metrics, registry)
         # Triton's model repository extension, v2 gRPC and REST (serve/protocols/repository_api.py)
@@ -100,13 +106,18 @@ class EncoderServer:
         self.http: HttpTransport | None = None  # OpenAI embeddings + health over HTTP (serve/transport/http.py)
         if config.http_port >= 0:
             openai = OpenAIService(self.admit, self.metrics, self.admission.engines)
-            routes = {EMBEDDINGS: openai.start_embeddings, MODELS: openai.models}
+            # the task routes of TEI, Cohere / Jina and infinity (serve/protocols/tei.py, rerank_api.py)
+            rerank_api = RerankAPIs(self.admit, self.metrics)
+            tei_api = TEIService(self.admit, self.metrics, self.admission.engine, rerank_api)
+            routes = {EMBEDDINGS: openai.start_embeddings, "POST /embeddings": openai.start_embeddings,
+                      MODELS: openai.models, **rerank_api.routes(), **tei_api.routes()}
             self.http = HttpTransport(config.host, config.http_port, routes, self.ready,
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
                                       if config.tls_cert else None,
                                       v2=KServeRest(v2, self.admission.engine, repository_api),
                                       error_bodies=(("/v2", kserve_rest.error_body), ("", openai_api.error_body)),
+                                      path_error_bodies={path: tei.error_body for path in tei.ROUTE_PATHS},
                                       keep_alive_s=config.http_keep_alive_s,
                                       header_timeout_s=config.http_header_timeout_s,
                                       body_timeout_s=config.http_body_timeout_s,

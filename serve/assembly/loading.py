@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from model.signature import head_output
+
 from model.config import EncoderConfig
 from serve import logs
 from serve.core import batch_plan
@@ -50,7 +52,8 @@ def probe(backend: Backend, export: ExportDir) -> None:
     config = export.config
     rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
-    want_hidden, want_pooled = (rows, length, config.d_model), (rows, config.d_model)
+    head = head_output(config)  # the per-row output: a head's, else the mean embedding
+    want_hidden, want_pooled = (rows, length, config.d_model), (rows, config.d_model if head is None else head[2][1])
     if tuple(hidden.shape) != want_hidden or tuple(pooled.shape) != want_pooled:
         raise BackendError(
             f"{export.graph_path}: probe inference gave shapes {list(hidden.shape)} / {list(pooled.shape)}, "

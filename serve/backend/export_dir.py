@@ -62,6 +62,17 @@ class ExportDir:
         return "first" if mode == "cls" else mode
 
     @property
+    def task(self) -> str:
+        """What the model does (metadata.json "task" kind, serve/core/tasks.py): embed, rerank, classify, sparse."""
+        return str(self.metadata.task.get("kind", "embed"))
+
+    @property
+    def row_output(self) -> str:
+        """The graph output the server reads per row beside the hidden states: the head's (metadata.json
+        "task" output), else the mean-pooled embedding."""
+        return str(self.metadata.task.get("output") or "mean_pooled")
+
+    @property
     def default_normalize(self) -> bool:
         return bool(self.metadata.pooling.get("normalize", False))
 

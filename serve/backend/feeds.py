@@ -37,6 +37,7 @@ class Rows:
     custom: np.ndarray | None = None  # bool [n, T, T] (kind=custom): False past each row's length
     paths: tuple[tuple[str, np.ndarray], ...] = ()  # (path, row indices) per path; (): every row dense
     attention_bytes: int = 0  # their attention's estimated memory (serve/core/attention_budget.py)
+    types: np.ndarray | None = None  # int64 [n, T] token type ids (sentence pairs); None: zeros
 
     def __len__(self) -> int:
         return int(self.block.shape[0])
@@ -120,5 +121,20 @@ def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config:
                 at += count
             feeds["custom_mask"] = custom
     if config.type_vocab_size:
-        feeds["token_type_ids"] = np.zeros((n, length), np.int64)
+        feeds["token_type_ids"] = _types(pieces, counts, n, length)
     return feeds
+
+
+def _types(pieces: list[tuple[Rows, np.ndarray | None]], counts: list[int], n: int, length: int) -> np.ndarray:
+    """The run's token type ids: each piece's own (sentence pairs), zeros for rows without them."""
+    if len(pieces) == 1 and pieces[0][1] is None and pieces[0][0].types is not None \
+            and pieces[0][0].types.shape[1] == length:
+        return pieces[0][0].types
+    types = np.zeros((n, length), np.int64)
+    at = 0
+    for (rows, index), count in zip(pieces, counts):
+        if rows.types is not None:
+            width = min(length, rows.types.shape[1])
+            types[at:at + count, :width] = rows.types[:, :width] if index is None else rows.types[index, :width]
+        at += count
+    return types

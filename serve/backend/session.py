@@ -18,7 +18,7 @@ import numpy as np
 from model.attention_paths import DENSE, computes
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
-from model.signature import OUTPUT_NAMES, input_specs
+from model.signature import input_specs
 from serve import logs
 from serve.backend.feeds import Rows, pad_batch
 from serve.errors import BackendError
@@ -30,7 +30,6 @@ CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 TENSORRT = "TensorrtExecutionProvider"
 TENSORRT_LIBRARY = "libnvinfer.so.10"  # TensorRT 10, which onnxruntime-gpu's TensorRT provider loads
-OUTPUTS = OUTPUT_NAMES
 _ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "bool": "tensor(bool)"}
 
 
@@ -103,6 +102,8 @@ class OnnxRuntimeBackend:
 
         self.export = export
         self.config = export.config
+        # the hidden states and the per-row output: the mean embedding, or the model's head (its task)
+        self.outputs = ("last_hidden_state", export.row_output)
         available = offered_providers(ort.get_available_providers())
         providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
         options = ort.SessionOptions()
@@ -161,7 +162,7 @@ class OnnxRuntimeBackend:
                 "re-export with this version of `python -m export`"
             )
         outputs = [o.name for o in session.get_outputs()]
-        missing = [name for name in OUTPUTS if name not in outputs]
+        missing = [name for name in self.outputs if name not in outputs]
         if missing:
             raise BackendError(f"{graph_path}: graph lacks output(s) {missing} (has {outputs})")
 
@@ -178,7 +179,7 @@ class OnnxRuntimeBackend:
         """`wide`: run on every CPU (the batch runs alone), where there is a wide session."""
         session = self.wide if wide and path == DENSE and self.wide is not None else self.sessions[path]
         try:
-            hidden, pooled = session.run(list(OUTPUTS), dict(batch))
+            hidden, pooled = session.run(list(self.outputs), dict(batch))
         except Exception as error:
             raise BackendError(f"inference failed: {type(error).__name__}: {error}") from error
         return hidden, pooled

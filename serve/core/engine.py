@@ -10,6 +10,8 @@ import time
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from model.config import to_json
 from model.mask_kinds import MaskKind
 from serve.backend.session import Backend
@@ -17,7 +19,8 @@ from serve.core.batcher import Batcher, Ticket
 from serve.config import ServerConfig
 from serve.core.pooling import pool_chunks, resolve_pooling
 from serve.core.requests import EncodeRequest, EncodeResult, Limits, to_rows
-from serve.errors import DeadlineExceeded, ValidationError
+from serve.core import tasks
+from serve.errors import DeadlineExceeded, ValidationError, quote
 from serve.backend.export_dir import ExportDir
 from serve.core.text import TextTokenizer
 
@@ -42,6 +45,10 @@ class ModelDescription:
     default_pooling: str
     default_normalize: bool
     memory_bytes: int = 0
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
+    prompts: dict = dataclasses.field(default_factory=dict)
+    default_prompt_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,14 +80,43 @@ class Engine:
         )
         self.text = TextTokenizer.from_export(export)  # None without one; ExportError on a bad one
 
+    @property
+    def task(self) -> str:
+        """What the model does (serve/core/tasks.py): embed, rerank, classify or sparse."""
+        return self.export.task
+
+    def check(self, operation: str, route: str, routes: dict[str, str]) -> None:
+        """Refuses `operation` (called as `route`) unless this model's task serves it (serve/core/tasks.py)."""
+        tasks.check(self.task, operation, route=route, model=self.name, routes=routes)
+
+    @property
+    def labels(self) -> list[str]:
+        """A classifier's or re-ranker's labels, in the order of its logits."""
+        labels = list(self.export.metadata.task.get("labels") or ())
+        return labels or [f"LABEL_{i}" for i in range(self.export.config.num_labels)]
+
+    def scores(self, result: EncodeResult, raw: bool = False, activation: str | None = None) -> np.ndarray:
+        """A rerank or classify result's scores [n, labels]: the logits through the export's activation
+        (or `activation`, one of serve/core/tasks.py ACTIVATIONS), or the logits themselves when `raw`."""
+        return tasks.activate(result.scores, activation or str(self.export.metadata.task.get("activation", "none")),
+                              raw)
+
     def submit(self, request: EncodeRequest, deadline: float | None = None) -> Ticket:
         """Resolves what `request` leaves to the model (its default pooling and normalisation: the
-        adapters pass "" / None), validates and admits; raises ValidationError / Overloaded / Unavailable."""
+        adapters pass "" / None), validates and admits; raises ValidationError / Overloaded / Unavailable.
+        A model with a head (its task is not embed) answers its head's output (`scores`), never a pooled
+        embedding."""
+        if self.task != "embed":
+            if request.pooling in ("mean", "first"):
+                raise ValidationError(
+                    f"pooling: model {self.name!r} is {tasks.DESCRIBED[self.task]}; it answers its head's "
+                    f"output (scores), not pooled embeddings: ask for pooling none (or leave it unset)")
+            request = dataclasses.replace(request, pooling="none", normalize=False, scores=True)
         if not request.pooling or request.normalize is None:
             request = dataclasses.replace(
                 request, pooling=self.pooling(request.pooling),
                 normalize=self.export.default_normalize if request.normalize is None else request.normalize)
-        if request.texts:
+        if request.texts or request.pairs:
             request = self._tokenize(request)
         rows = to_rows(request, self.export.config, self.limits, self.budget)  # paths decided here, once
         if request.hidden_states:
@@ -96,11 +132,18 @@ class Engine:
         return self.batcher.submit(request, rows, deadline)
 
     def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
-        """The request with its texts tokenized into `sequences` (rows like any token ids)."""
+        """The request with its texts (or sentence pairs) tokenized into `sequences` (rows like any
+        token ids; pairs with their token type ids)."""
         if len(request.sequences):
             raise ValidationError("texts: send either texts or sequences, not both")
         if self.text is None:
             raise ValidationError("texts: model has no tokenizer; send token ids in `sequences`")
+        if request.pairs:
+            self.limits.check_count(len(request.pairs), "pairs")
+            sequences, types, truncated = self.text.encode_pairs(
+                request.pairs, truncate=request.truncate, direction=request.truncation_direction,
+                fields=request.pair_fields)
+            return dataclasses.replace(request, sequences=sequences, types=types, truncated=truncated)
         self.limits.check_count(len(request.texts), "texts")
         if request.chunk:
             if request.truncate:
@@ -109,13 +152,40 @@ class Engine:
                 raise ValidationError("texts: chunk=true pools each text's windows into one mean embedding; "
                                       "ask for pooling mean and no hidden_states")
         sequences, truncated, chunks = self.text.encode(request.texts, truncate=request.truncate,
-                                                        chunk=request.chunk)
+                                                        chunk=request.chunk, direction=request.truncation_direction,
+                                                        prompt=self.prompt(request.prompt_name))
         if len(sequences) > self.server.max_batch_size:
             raise ValidationError(
                 f"texts: {len(request.texts)} texts make {len(sequences)} windows, over "
                 f"max_batch_size={self.server.max_batch_size}; send fewer or shorter texts")
         return dataclasses.replace(request, sequences=sequences, truncated=truncated,
                                    chunks=chunks if request.chunk else ())
+
+    def prompt(self, name: str | None) -> str:
+        """The text of prompt `name` (the export's sentence-transformers prompts); None: the model's
+        default prompt, if it has one; "": none."""
+        prompts = self.export.metadata.prompts
+        if name is None:
+            name = self.export.metadata.default_prompt_name or ""
+            if not name:
+                return ""
+        elif name == "":
+            return ""
+        if name not in prompts:
+            raise ValidationError(f"prompt_name: {quote(name)} is not one of this model's prompts "
+                                  f"({', '.join(sorted(prompts)) or 'it has none'})")
+        return prompts[name]
+
+    def tokenize(self, texts, add_special_tokens: bool = True, prompt_name: str | None = None) -> list[list[dict]]:
+        """Each text's tokens (serve/core/text.py `tokens`), with the prompt asked (None: the default)."""
+        if self.text is None:
+            raise ValidationError("texts: model has no tokenizer")
+        return self.text.tokens(texts, add_special_tokens=add_special_tokens, prompt=self.prompt(prompt_name))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> list[str]:
+        if self.text is None:
+            raise ValidationError("ids: model has no tokenizer")
+        return self.text.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def pooling(self, asked: str = "", *, field: str = "pooling", embedding: bool = False) -> str:
         """The pooling a request runs with (serve/core/pooling.py resolve_pooling, on this model's default)."""
@@ -171,5 +241,9 @@ class Engine:
             default_pooling=self.export.default_pooling,
             default_normalize=self.export.default_normalize,
             memory_bytes=self.memory_bytes,
+            task=self.task,
+            labels=tuple(self.labels) if self.task in ("rerank", "classify") else (),
+            prompts=dict(meta.prompts),
+            default_prompt_name=meta.default_prompt_name or "",
         )
 

@@ -4,9 +4,9 @@ pooling of a chunked text's windows, and of the defaults a request leaves to its
   resolve_pooling   the pooling a request runs with: what it asked, else the model's default
                     (metadata.json "pooling"), "mean" where an embedding is required and the model's
                     default is none (OpenAI's API, v2's `embeddings` output)
-  request_outputs   a request's hidden states and embeddings, as arrays: the pooled embeddings (mean
-                    from the graph, first token from the hidden states), L2-normalised when asked
-                    (a chunked text: after pooling)
+  request_outputs   a request's hidden states, embeddings and head scores, as arrays: the pooled
+                    embeddings (mean from the graph, first token from the hidden states), L2-normalised
+                    when asked (a chunked text: after pooling); a head's output as the graph gave it
   pool_chunks       one output per chunked text from its windows' rows
   l2_normalize      the one normalisation (every protocol's, Matryoshka's re-normalisation too)
 """
@@ -40,20 +40,21 @@ def resolve_pooling(asked: str, default: str, *, field: str = "pooling", embeddi
     return asked
 
 
-def request_outputs(request, hidden: np.ndarray, mean_pooled: np.ndarray
-                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """A request's (hidden states, embeddings) from its rows' hidden [n, T, D] (zeros past each
-    row's length) and the graph's mean [n, D]: what it asked for, nothing else. Embeddings are
-    the mean or the first token, L2-normalised when asked (a chunked text: after pooling, in
-    `pool_chunks`)."""
+def request_outputs(request, hidden: np.ndarray, row_outputs: np.ndarray
+                    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """A request's (hidden states, embeddings, scores) from its rows' hidden [n, T, D] (zeros past each
+    row's length) and the graph's per-row output [n, K]: the mean [n, D] of a model without a head,
+    else its head's output (serve/core/tasks.py), which a request with `scores` is answered as is.
+    What it asked for, nothing else. Embeddings are the mean or the first token, L2-normalised when
+    asked (a chunked text: after pooling, in `pool_chunks`)."""
     embeddings = None
-    if request.pooling == "mean":
-        embeddings = mean_pooled
+    if request.pooling == "mean" and not request.scores:
+        embeddings = row_outputs
     elif request.pooling == "first":
         embeddings = hidden[:, 0]
     if embeddings is not None and request.normalize and not request.chunks:
         embeddings = l2_normalize(embeddings)
-    return (hidden if request.hidden_states else None), embeddings
+    return (hidden if request.hidden_states else None), embeddings, (row_outputs if request.scores else None)
 
 
 def pool_chunks(result, request):

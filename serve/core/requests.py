@@ -44,6 +44,14 @@ class EncodeRequest:
     chunks: tuple[int, ...] = ()  # texts only, set by the Engine with chunk: rows (windows) per text
     # with an array: each row's length (right padding; what lies past it is ignored); None: all T
     lengths: np.ndarray | None = None
+    # sentence pairs (a cross-encoder's query and document, a pair classifier's two texts): tokenized by
+    # the Engine as pairs into `sequences`, with their token type ids in `types`
+    pairs: tuple[tuple[str, str], ...] = ()
+    types: tuple[np.ndarray, ...] = ()  # int64 [T] per sequence, set by the Engine for pairs; (): zeros
+    pair_fields: tuple[str, str] = ("pairs[{i}][0]", "pairs[{i}][1]")  # the pair's texts as errors name them
+    truncation_direction: str = "right"  # texts and pairs with truncate: which end is cut ("left" | "right")
+    prompt_name: str | None = None  # texts: the export's prompt put before each text (None: its default)
+    scores: bool = False  # answer the model's head output (set by the Engine for a model with a head)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class SequenceOutput:
 
     hidden_states: np.ndarray | None  # float32 [T, D] of the row's own length
     embedding: np.ndarray | None  # float32 [D]
+    scores: np.ndarray | None = None  # float32 [labels] or [vocab]: a head's output
 
 
 @dataclass(frozen=True)
@@ -71,16 +80,23 @@ class EncodeResult:
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
     attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (model/attention_paths.py)
     chunks: tuple[int, ...] = ()  # texts only, with chunk: windows each text was encoded in
+    # a model with a head (serve/core/tasks.py): its raw output per sequence, float32 [B, labels] logits
+    # or [B, vocab] sparse weights
+    scores: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.embeddings if self.embeddings is not None else self.hidden_states)
+        for rows in (self.embeddings, self.scores, self.hidden_states):
+            if rows is not None:
+                return len(rows)
+        return len(self.token_counts)
 
     @functools.cached_property
     def outputs(self) -> tuple[SequenceOutput, ...]:
         """Row by row, for protocols that answer per sequence (Encode, OpenAI): views, no copies."""
-        hidden, embeddings = self.hidden_states, self.embeddings
+        hidden, embeddings, scores = self.hidden_states, self.embeddings, self.scores
         return tuple(SequenceOutput(None if hidden is None else hidden[i, :n],
-                                    None if embeddings is None else embeddings[i])
+                                    None if embeddings is None else embeddings[i],
+                                    None if scores is None else scores[i])
                      for i, n in enumerate(self.token_counts))
 
 
@@ -124,8 +140,17 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits, budge
     step = int(mask.step) if mask.step else 1
     attention_bytes, paths = (0, ()) if budget is None else budget.check(
         lengths, RowMask(MaskKind(mask.kind), int(mask.window), step))
+    types = _pad_types(request.types, block.shape[1]) if len(request.types) else None
     return Rows(block, lengths, int(mask.kind), bool(mask.causal), int(mask.window), step, custom, paths,
-                attention_bytes)
+                attention_bytes, types)
+
+
+def _pad_types(types: tuple[np.ndarray, ...], width: int) -> np.ndarray:
+    """Each sequence's token type ids as one block [n, width], zeros past its length."""
+    block = np.zeros((len(types), width), np.int64)
+    for i, row in enumerate(types):
+        block[i, : len(row)] = row
+    return block
 
 
 def _check_block(block: np.ndarray, lengths: np.ndarray | None, config: EncoderConfig,

@@ -214,11 +214,12 @@ class _Progress:
             ticket._finish(error=self.error)
             return
         hidden, pooled = self._gathered()
-        hidden_states, embeddings = request_outputs(ticket.request, hidden, pooled)
+        hidden_states, embeddings, scores = request_outputs(ticket.request, hidden, pooled)
         ticket._finish(EncodeResult(
             request_id=ticket.request.request_id,
             hidden_states=hidden_states,
             embeddings=embeddings,
+            scores=scores,
             queue_s=self.queue_s,
             inference_s=self.inference_s,
             batch_size=self.batch_size,

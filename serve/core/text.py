@@ -21,6 +21,7 @@ import numpy as np
 
 from model.config import EncoderConfig
 from model.text import TokenizerError, read_tokenizer
+from serve.core.tasks import DIRECTIONS
 from serve.errors import ValidationError
 from serve.backend.export_dir import ExportDir, ExportError
 
@@ -40,6 +41,14 @@ class TextTokenizer:
         except TokenizerError as error:
             raise ExportError(str(error)) from None
         self._cut.enable_truncation(max_length=max_length)
+        self._cut_left = read_tokenizer(tokenizer_file)
+        self._cut_left.enable_truncation(max_length=max_length, direction="left")
+        # sentence pairs (query, document): only the second is cut, from the side asked
+        self._pair_cut = {}
+        for direction in DIRECTIONS:
+            self._pair_cut[direction] = read_tokenizer(tokenizer_file)
+            self._pair_cut[direction].enable_truncation(max_length=max_length, strategy="only_second",
+                                                        direction=direction)
         self._windows = read_tokenizer(tokenizer_file)
         self.overlap = max_length // 8
         self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
@@ -50,6 +59,7 @@ class TextTokenizer:
                 f"{tokenizer_file}: tokenizer vocabulary ({vocab}) exceeds the model's vocab_size={config.vocab_size}"
             )
         probe = self._full.encode("probe")
+        self.vocab_size = vocab
         if any(probe.type_ids):
             raise ExportError(
                 f"{tokenizer_file}: a single text gets token type ids {probe.type_ids}; this server feeds zeros"
@@ -63,14 +73,18 @@ class TextTokenizer:
             return None
         return cls(path, export.metadata.tokenizer.max_length, export.config)
 
-    def encode(self, texts: Sequence[str], *, truncate: bool = False, chunk: bool = False
+    def encode(self, texts: Sequence[str], *, truncate: bool = False, chunk: bool = False,
+               direction: str = "right", prompt: str = ""
                ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...], tuple[int, ...]]:
         """(int64 [T] token ids per row (special tokens included), whether each text was truncated,
         rows per text: 1, or with `chunk` the windows of a text over max_length); ValidationError names
-        `texts[i]`."""
+        `texts[i]`. `direction`: the end a truncated text loses; `prompt`: put before every text (its
+        tokens count toward max_length, as sentence-transformers counts them)."""
         for i, text in enumerate(texts):
             if not text:
                 raise ValidationError(f"texts[{i}]: empty text; send at least one character")
+        if prompt:
+            texts = [prompt + text for text in texts]
         encodings = self._full.encode_batch(list(texts))
         over = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_length]
         if over and chunk:
@@ -86,8 +100,80 @@ class TextTokenizer:
                 f"(special tokens included); shorten it or set truncate=true"
             )
         if over:
-            for i, encoding in zip(over, self._cut.encode_batch([texts[i] for i in over])):
+            cut = self._cut if direction == "right" else self._cut_left
+            for i, encoding in zip(over, cut.encode_batch([texts[i] for i in over])):
                 encodings[i] = encoding
         cut = set(over)
         return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
                 tuple(i in cut for i in range(len(encodings))), (1,) * len(encodings))
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = False, direction: str = "right",
+                     fields: tuple[str, str] = ("pairs[{i}][0]", "pairs[{i}][1]"),
+                     ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], tuple[bool, ...]]:
+        """Sentence pairs as one row each, with the pair's special tokens ([CLS] a [SEP] b [SEP];
+        <s> a </s></s> b </s>): (int64 ids per row, int64 token type ids per row, whether each was cut).
+        A pair over max_length is refused naming its second text, or with `truncate` has only its
+        second text cut (from `direction`), as a cross-encoder's documents are; a first text that
+        leaves no room is refused naming it. `fields`: the two texts' names, with {i} the pair's index."""
+        first, second = fields
+        for i, (a, b) in enumerate(pairs):
+            for text, field in ((a, first), (b, second)):
+                if not text:
+                    raise ValidationError(f"{field.format(i=i)}: empty text; send at least one character")
+        encodings = self._full.encode_batch([(a, b) for a, b in pairs])
+        over = [i for i, e in enumerate(encodings) if len(e.ids) > self.max_length]
+        room = self.max_length - self._full.num_special_tokens_to_add(True)  # for the two texts' own tokens
+        for i in over:  # a first text that leaves the second no token is refused by its own name
+            if len(self._full.encode(pairs[i][0], add_special_tokens=False).ids) >= room:
+                raise ValidationError(
+                    f"{first.format(i=i)}: too long to pair with any text within max_text_tokens="
+                    f"{self.max_length} (special tokens included; only the second text is ever cut); shorten it")
+        if over and not truncate:
+            i = over[0]
+            raise ValidationError(
+                f"{second.format(i=i)}: with {first.format(i=i)} it makes {len(encodings[i].ids)} tokens, over "
+                f"max_text_tokens={self.max_length} (special tokens included); shorten it or set truncate=true "
+                f"(the second text is cut)")
+        for i in over:
+            try:
+                encodings[i] = self._pair_cut[direction].encode(*pairs[i])
+            except Exception:  # tokenizers: the second text cannot lose enough tokens
+                raise ValidationError(
+                    f"{first.format(i=i)}: too long to pair with any text within max_text_tokens="
+                    f"{self.max_length} (only the second text is cut); shorten it") from None
+        cut = set(over)
+        return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
+                tuple(np.asarray(e.type_ids, dtype=np.int64) for e in encodings),
+                tuple(i in cut for i in range(len(encodings))))
+
+    def head(self, text: str, tokens: int) -> str:
+        """`text` cut after its first `tokens` tokens (special tokens not counted): Cohere's max_tokens_per_doc."""
+        encoding = self._full.encode(text, add_special_tokens=False)
+        if len(encoding.ids) <= tokens:
+            return text
+        return text[: encoding.offsets[tokens - 1][1]]
+
+    def tokens(self, texts: Sequence[str], *, add_special_tokens: bool = True, prompt: str = "") -> list[list[dict]]:
+        """Each text's tokens as text-embeddings-inference's /tokenize shows them: id, text (a special
+        token's own text, else the characters it covers), special, and the character offsets start/stop
+        (None for a special token)."""
+        texts = [prompt + text for text in texts]
+        out = []
+        for text, e in zip(texts, self._full.encode_batch(texts, add_special_tokens=add_special_tokens)):
+            tokens = []
+            for token_id, token, (start, stop), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask):
+                tokens.append({"id": int(token_id), "text": token, "special": True, "start": None, "stop": None}
+                              if special else
+                              {"id": int(token_id), "text": text[start:stop], "special": False, "start": start,
+                               "stop": stop})
+            out.append(tokens)
+        return out
+
+    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool = True, field: str = "ids") -> list[str]:
+        """Token ids back to text, one string per list; an id outside the vocabulary is refused naming it."""
+        size = self._full.get_vocab_size(with_added_tokens=True)
+        for i, row in enumerate(ids):
+            bad = [t for t in row if not 0 <= t < size]
+            if bad:
+                raise ValidationError(f"{field}[{i}]: token id {bad[0]} is outside the vocabulary [0, {size})")
+        return self._full.decode_batch([list(row) for row in ids], skip_special_tokens=skip_special_tokens)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from model.mask_kinds import MaskKind
 from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
 from serve.protocols.edge import Call, deadline_of, start_call
+from serve.core import tasks
 from serve.core.engine import Engine
 from serve.errors import Unavailable, ValidationError
 from serve.protocols.status import to_status
@@ -53,6 +54,8 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
         texts=tuple(msg.texts),
         truncate=bool(msg.truncate),
         chunk=bool(msg.chunk),
+        prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None,
+        truncation_direction=tasks.truncation_direction(msg.truncation_direction or None),
     )
 
 
@@ -64,29 +67,96 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
             item.hidden_states.CopyFrom(from_numpy(out.hidden_states))
         if out.embedding is not None:
             item.embedding.CopyFrom(from_numpy(out.embedding))
+        if out.scores is not None:
+            item.scores.CopyFrom(from_numpy(out.scores))
         results.append(item)
-    return pb.EncodeResponse(
-        request_id=result.request_id,
-        results=results,
-        metadata=pb.ResponseMetadata(
-            model_name=engine.name,
-            model_version=engine.export.version,
-            model_sha256=engine.export.sha256,
-            execution_provider=result.execution_provider,
-            timings=pb.Timings(
-                queue_ms=result.queue_s * 1e3,
-                inference_ms=result.inference_s * 1e3,
-                total_ms=(time.monotonic() - received) * 1e3,
-            ),
-            batch_size=result.batch_size,
-            batch_sequence_length=result.batch_length,
-            token_counts=list(result.token_counts),
-            total_tokens=sum(result.token_counts),
-            truncated=list(result.truncated),
-            attention_paths=list(result.attention_paths),
-            chunks=list(result.chunks),
+    return pb.EncodeResponse(request_id=result.request_id, results=results,
+                             metadata=response_metadata(result, engine, received))
+
+
+def response_metadata(result: EncodeResult, engine: Engine, received: float) -> "pb.ResponseMetadata":
+    """Every method's answer metadata: the model, the timings, the batch, the tokens."""
+    return pb.ResponseMetadata(
+        model_name=engine.name,
+        model_version=engine.export.version,
+        model_sha256=engine.export.sha256,
+        execution_provider=result.execution_provider,
+        timings=pb.Timings(
+            queue_ms=result.queue_s * 1e3,
+            inference_ms=result.inference_s * 1e3,
+            total_ms=(time.monotonic() - received) * 1e3,
         ),
+        batch_size=result.batch_size,
+        batch_sequence_length=result.batch_length,
+        token_counts=list(result.token_counts),
+        total_tokens=sum(result.token_counts),
+        truncated=list(result.truncated),
+        attention_paths=list(result.attention_paths),
+        chunks=list(result.chunks),
     )
+
+
+# encoder.v1's methods -> what they do (serve/core/tasks.py OPERATIONS): a method that does not fit a
+# model's task is refused naming the task and the methods that fit it
+METHODS = {"Encode": "hidden_states", "Rerank": "rerank", "Classify": "predict", "EmbedSparse": "embed_sparse",
+           "Tokenize": "tokenize"}
+
+
+def rerank_request(msg: "pb.RerankRequest", engine: Engine) -> EncodeRequest:
+    engine.check("rerank", "Rerank", METHODS)
+    query = tasks.query(msg.query)
+    documents = tasks.documents(list(msg.documents))
+    return EncodeRequest(sequences=(), pairs=tuple((query, d) for d in documents), request_id=msg.request_id,
+                         truncate=bool(msg.truncate), pair_fields=("query", "documents[{i}]"),
+                         truncation_direction=tasks.truncation_direction(msg.truncation_direction or None))
+
+
+def rerank_response(msg: "pb.RerankRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
+    scores = engine.scores(result, msg.raw_scores)[:, 0]
+    order = tasks.ranking(scores, msg.top_n or None)
+    return pb.RerankResponse(
+        request_id=msg.request_id,
+        results=[pb.RankedDocument(index=i, score=float(scores[i]),
+                                   document=msg.documents[i] if msg.return_documents else "")
+                 for i in order.tolist()],
+        metadata=response_metadata(result, engine, received)).SerializeToString()
+
+
+def classify_request(msg: "pb.ClassifyRequest", engine: Engine) -> EncodeRequest:
+    engine.check("predict", "Classify", METHODS)
+    if msg.texts and msg.pairs:
+        raise ValidationError("texts: send either texts or pairs, not both")
+    common = dict(sequences=(), request_id=msg.request_id, truncate=bool(msg.truncate),
+                  truncation_direction=tasks.truncation_direction(msg.truncation_direction or None))
+    if msg.pairs:
+        return EncodeRequest(pairs=tuple((p.first, p.second) for p in msg.pairs),
+                             pair_fields=("pairs[{i}].first", "pairs[{i}].second"), **common)
+    return EncodeRequest(texts=tuple(msg.texts), prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None,
+                         **common)
+
+
+def classify_response(msg: "pb.ClassifyRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
+    ranked = tasks.predictions(engine.scores(result, msg.raw_scores), engine.labels)
+    return pb.ClassifyResponse(
+        request_id=msg.request_id,
+        results=[pb.Classification(labels=[pb.LabelScore(label=label, score=score) for label, score in row])
+                 for row in ranked],
+        metadata=response_metadata(result, engine, received)).SerializeToString()
+
+
+def sparse_request(msg: "pb.EmbedSparseRequest", engine: Engine) -> EncodeRequest:
+    engine.check("embed_sparse", "EmbedSparse", METHODS)
+    return EncodeRequest(sequences=(), texts=tuple(msg.texts), request_id=msg.request_id, truncate=bool(msg.truncate),
+                         truncation_direction=tasks.truncation_direction(msg.truncation_direction or None),
+                         prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None)
+
+
+def sparse_response(msg: "pb.EmbedSparseRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
+    return pb.EmbedSparseResponse(
+        request_id=msg.request_id,
+        results=[pb.SparseEmbedding(indices=index.tolist(), values=values.tolist())
+                 for index, values in tasks.sparse_rows(result.scores)],
+        metadata=response_metadata(result, engine, received)).SerializeToString()
 
 
 _DRAINING = object()  # EncodeStream: the server began to drain
@@ -108,7 +178,9 @@ class _Message:
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback()
-ENCODE = f"/{pb.DESCRIPTOR.services_by_name['EncoderService'].full_name}/Encode"
+SERVICE = pb.DESCRIPTOR.services_by_name['EncoderService'].full_name
+ENCODE = f"/{SERVICE}/Encode"
+RERANK, CLASSIFY, EMBED_SPARSE = (f"/{SERVICE}/{m}" for m in ("Rerank", "Classify", "EmbedSparse"))
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
@@ -128,6 +200,38 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
         start_call(self._metrics, "Encode", rpc, submit,
                    lambda engine, result, call: response_to_proto(result, engine, call.received).SerializeToString())
+
+    def _start(self, method: str, rpc, msg, build, render) -> None:
+        """A task method, started as Encode is: `build(msg, engine)` makes the core's request (its
+        checks), `render(msg, result, engine, received)` the answer's bytes once its batch has run."""
+        def submit():
+            engine = self._engine(rpc, model=msg.model)
+            size = msg.ByteSize()
+            if size > self._max_bytes:
+                raise ValidationError(f"request: {size} bytes exceed max_request_bytes={self._max_bytes}")
+            return engine, engine.submit(build(msg, engine), rpc.deadline)
+
+        start_call(self._metrics, method, rpc, submit,
+                   lambda engine, result, call: render(msg, result, engine, call.received))
+
+    def start_rerank(self, rpc, msg) -> None:
+        self._start("Rerank", rpc, msg, rerank_request, rerank_response)
+
+    def start_classify(self, rpc, msg) -> None:
+        self._start("Classify", rpc, msg, classify_request, classify_response)
+
+    def start_embed_sparse(self, rpc, msg) -> None:
+        self._start("EmbedSparse", rpc, msg, sparse_request, sparse_response)
+
+    def Tokenize(self, request, context):
+        with Call(self._metrics, "Tokenize", context):
+            engine = self._engine(context, model=request.model)
+            texts = tasks.texts_of(list(request.texts), "texts")
+            engine.limits.check_count(len(texts), "texts")
+            tokens = engine.tokenize(texts, request.add_special_tokens if request.HasField("add_special_tokens")
+                                     else True, request.prompt_name if request.HasField("prompt_name") else None)
+            return pb.TokenizeResponse(results=[pb.TokenizedText(tokens=[pb.Token(**t) for t in row])
+                                                for row in tokens])
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         with Call(self._metrics, "EncodeStream", context):
@@ -216,4 +320,6 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 input_kind=d.input_kind, d_model=d.d_model, vocab_size=d.vocab_size,
                 has_tokenizer=d.has_tokenizer, default_pooling=d.default_pooling,
                 default_normalize=d.default_normalize, memory_bytes=d.memory_bytes,
+                task=d.task, labels=list(d.labels), prompts=dict(d.prompts),
+                default_prompt_name=d.default_prompt_name,
             )

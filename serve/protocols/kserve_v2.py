@@ -279,8 +279,21 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
     return request, requested, length
 
 
+def outputs_of(engine: Engine) -> tuple[str, ...]:
+    """The v2 outputs of a model: the hidden states, and its embeddings or, for a model with a head
+    (serve/core/tasks.py), the head's output ("logits" [B, labels], "sparse_embedding" [B, vocab])."""
+    return OUTPUTS if engine.task == "embed" else ("last_hidden_state", engine.export.row_output)
+
+
 def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
     """Our request for `inputs` (sequences or texts, and the mask) with the outputs `msg` asks for."""
+    if engine.task != "embed":  # a head's output, raw (the activation and labels are the task APIs')
+        outputs = outputs_of(engine)
+        requested = [o.name for o in msg.outputs] or [outputs[1]]
+        for name in requested:
+            if name not in outputs:
+                raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(outputs)}")
+        return EncodeRequest(hidden_states="last_hidden_state" in requested, request_id=msg.id, **inputs), requested
     pooling = engine.pooling(str(_param(msg.parameters, "pooling", "")), field="parameters.pooling")
     requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
     for name in requested:
@@ -338,7 +351,7 @@ def output_arrays(result: EncodeResult, requested: list[str], length: int) -> li
             if length and array.shape[1] < length:  # every row was padded: the answer keeps the request's T
                 array = np.pad(array, ((0, 0), (0, length - array.shape[1]), (0, 0)))
         else:
-            array = result.embeddings
+            array = result.embeddings if name == "embeddings" else result.scores  # a head's output
         arrays.append((name, array.astype("<f4", copy=False)))
     return arrays
 
@@ -389,8 +402,16 @@ def model_metadata(engine: Engine):
         inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
                 T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
         outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
-                 T(name="embeddings", datatype="FP32", shape=[-1, config.d_model])],
+                 T(name=outputs_of(engine)[1], datatype="FP32", shape=[-1, _row_width(engine)])],
     )
+
+
+def _row_width(engine: Engine) -> int:
+    """The width of the per-row output: d_model, a head's labels, or the vocabulary."""
+    config = engine.export.config
+    if engine.task == "embed":
+        return config.d_model
+    return config.vocab_size if engine.task == "sparse" else config.num_labels
 
 
 # -- the servicer -------------------------------------------------------------------------------

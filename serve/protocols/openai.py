@@ -34,6 +34,7 @@ from serve.core.metrics import Metrics
 from serve.core.pooling import l2_normalize
 from serve.core.requests import EncodeRequest, MaskChoice
 from serve.errors import ValidationError, quote
+from serve.protocols import http_tasks
 from serve.protocols.edge import Call, start_call
 
 EMBEDDINGS = "POST /v1/embeddings"
@@ -49,12 +50,12 @@ def _field(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
     raise ValidationError(f"{name}: expected {what or ' or '.join(k.__name__ for k in kinds)}, got {quote(value)}")
 
 
-def _inputs(value) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+def inputs_of(value, field: str = "input") -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
     """`input` as (texts, token-id sequences): exactly one of them is non-empty."""
     if isinstance(value, str):
         return (value,), ()
     if not isinstance(value, list) or not value:
-        raise ValidationError("input: expected a string, a list of strings, a list of token ids or a list of "
+        raise ValidationError(f"{field}: expected a string, a list of strings, a list of token ids or a list of "
                               f"token-id lists, got {quote(value) if not isinstance(value, list) else 'an empty list'}")
     if all(isinstance(v, str) for v in value):
         return tuple(value), ()
@@ -63,12 +64,12 @@ def _inputs(value) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
     sequences = []
     for i, ids in enumerate(value):
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValidationError(f"input[{i}]: expected a string or a list of integer token ids, got {quote(ids)}; "
+            raise ValidationError(f"{field}[{i}]: expected a string or a list of integer token ids, got {quote(ids)}; "
                                   "one request holds strings or token ids, not both")
         try:
             sequences.append(np.asarray(ids, np.int64))
         except OverflowError:
-            raise ValidationError(f"input[{i}]: a token id does not fit in 64 bits") from None
+            raise ValidationError(f"{field}[{i}]: a token id does not fit in 64 bits") from None
     return (), tuple(sequences)
 
 
@@ -93,7 +94,7 @@ def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, i
     export = engine.export
     if "input" not in body:
         raise ValidationError("input: missing; send a string, a list of strings or token-id lists")
-    texts, sequences = _inputs(body["input"])
+    texts, sequences = inputs_of(body["input"])
     encoding = _field(body, "encoding_format", (str,), "float", "\"float\" or \"base64\"")
     if encoding not in ("float", "base64"):
         raise ValidationError(f"encoding_format: {quote(encoding)} is not \"float\" or \"base64\"")
@@ -158,6 +159,7 @@ class OpenAIService:
 
         def submit():
             engine = self._engine(rpc, model=model_name(body))
+            engine.check("embed", rpc.method, http_tasks.OPERATIONS)
             request, asked["encoding"], asked["dimensions"] = request_from_json(body, engine)
             return engine, engine.submit(request, rpc.deadline)
 

@@ -50,6 +50,7 @@ log = logging.getLogger("serve.transport.http")
 
 Route = Callable[[Rpc, object], None]  # (rpc, the JSON body or None); answers through rpc
 
+MODEL_PREFIX = "/models/"  # /models/<name>/<route>: a route on model <name> (`_model_path`)
 DEADLINE_HEADER = "x-request-timeout"  # seconds (a decimal number > 0): the request's deadline
 DISCARD_S = 30.0  # an early refusal reads and drops the rest of the body for at most this long
 # uvicorn's fast paths, kept for what they measured here (docs/serving.md "HTTP connections")
@@ -83,7 +84,7 @@ class HttpTransport:
 
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool], *,
                  auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None,
-                 v2=None, error_bodies: tuple = (), keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
+                 v2=None, error_bodies: tuple = (), path_error_bodies: dict | None = None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
                  body_timeout_s: float = 60.0, max_connections: int = 1024) -> None:
         import uvicorn
 
@@ -93,6 +94,7 @@ class HttpTransport:
         # (path prefix, (status, message) -> body): each protocol's error body, the first prefix that
         # matches (the protocols own their shapes; this transport only picks by path)
         self._error_bodies = tuple(error_bodies) or (("", lambda status, message: message.encode()),)
+        self._path_error_bodies = dict(path_error_bodies or {})  # exact path -> its protocol's error body
         self._token = security.TokenCheck(auth_token) if auth_token else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets made so (http_connections sets it too)
@@ -136,15 +138,17 @@ class HttpTransport:
     async def app(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        method = f"{scope['method']} {scope['path']}"
+        path, model = _model_path(scope["path"])
+        method = f"{scope['method']} {path}"
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
         request = _Request(scope, receive, headers)
-        error_body = self._error_body(scope["path"])
+        error_body = self._error_body(path)
         if scope["path"] in ("/v2/health/live", "/v2/health/ready", "/health"):  # open, as gRPC health
             ready = self._ready() if scope["path"] != "/v2/health/live" else True
             await request.reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
             return
-        v2 = self._v2 is not None and (scope["path"] == "/v2" or scope["path"].startswith("/v2/"))
+        v2 = self._v2 is not None and method not in self._routes and (  # a route of its own wins (Cohere's /v2/rerank)
+            scope["path"] == "/v2" or scope["path"].startswith("/v2/"))
         if self._token is not None:
             refusal = self._token.refusal(method, headers)
             if refusal is not None:
@@ -153,7 +157,7 @@ class HttpTransport:
                 return
         route = self._routes.get(method)
         if route is None and not v2:
-            known = any(name.split(" ", 1)[1] == scope["path"] for name in self._routes)
+            known = any(name.split(" ", 1)[1] == path for name in self._routes)
             status = 405 if known else 404
             await request.refuse(send, status, error_body(status, f"{method}: no such endpoint"
                                                           if not known else f"{method}: method not allowed"))
@@ -171,10 +175,12 @@ class HttpTransport:
                 return
             if not v2:
                 try:
-                    body = json_object(body)
+                    body = _with_model(json_object(body), model)
                 except ServeError as error:
                     await request.reply(send, 400, error_body(400, error.message))
                     return
+        elif model is not None:
+            body = {"model": model}
         try:
             if v2:
                 self._v2.route(rpc, scope["method"], scope["path"], body or b"", headers)
@@ -225,7 +231,9 @@ class HttpTransport:
             left.cancel()
 
     def _error_body(self, path: str) -> Callable[[int, str], bytes]:
-        """The error body of the protocol `path` belongs to (the first matching prefix)."""
+        """The error body of the protocol `path` belongs to (its own, else the first matching prefix)."""
+        if path in self._path_error_bodies:
+            return self._path_error_bodies[path]
         return next(body for prefix, body in self._error_bodies if path.startswith(prefix))
 
     async def _read(self, request: "_Request", send, error_body) -> bytes | None:
@@ -302,6 +310,27 @@ class _Request:
                     "headers": [(b"content-type", content_type),
                                 (b"content-length", str(len(body)).encode()), *(extra or [])]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _model_path(path: str) -> tuple[str, str | None]:
+    """(the route's path, the model it names): /models/<name>/<route> is <route> on model <name>, so
+    clients that send no model name (TEI's, which serve one model) reach any model through their base
+    URL (http://host:8000/models/<name>); /models/<name> alone is the root route. Others: (path, None)."""
+    if not path.startswith(MODEL_PREFIX):
+        return path, None
+    name, _, rest = path[len(MODEL_PREFIX):].partition("/")
+    return (f"/{rest}", name) if name else (path, None)
+
+
+def _with_model(body: dict, model: str | None) -> dict:
+    """The body with the model its path names (a body naming another is refused)."""
+    if model is None:
+        return body
+    named = body.get("model")
+    if named not in (None, "", model):
+        raise ValidationError(f"model: the body names {clip(str(named))!r}, the path /models/{clip(model)}/; "
+                              "name one model")
+    return {**body, "model": model}
 
 
 async def _disconnect(receive) -> None:
