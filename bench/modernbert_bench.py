@@ -5,7 +5,7 @@ defaults (768 wide, 12 heads, 22 layers: 8 global, 14 local with window 128, i.e
 saved and exported by `python -m export --from-pretrained` (fp32 + long-input graph). Engines, each
 in a fresh process (its own peak RSS), bidirectional rows (what an embedding request sends):
 
-  long      model.sparse.onnx: the model's own plan, local layers banded, global layers dense
+  long      model.sparse.onnx: the model's own plan, local layers banded, global layers every pair in tiles
   dense     model.onnx: every layer computes all T x T pairs, the local ones masked to their window
   hf-sdpa   transformers' ModernBertModel, attn_implementation="sdpa" (masks, computes every pair)
   hf-eager  transformers' ModernBertModel, eager attention (the parity reference)

@@ -148,5 +148,6 @@ def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: En
     """Estimated peak bytes of one run of `rows` rows of `length` tokens on `path` (one layer's attention
     at its peak, plus the activations that scale with the tokens)."""
     scores = score_elements(path, length, mask, config, peak=True) * config.n_heads * BYTES_PER_SCORE[path]
-    tokens = length * max(config.d_model, config.d_ff) * BYTES_PER_TOKEN_DIM / 4
+    ffn_width = 2 * config.d_ff if config.ffn == "gated" else config.d_ff  # a GLU's up projection is 2·d_ff wide
+    tokens = length * max(config.d_model, ffn_width) * BYTES_PER_TOKEN_DIM / 4
     return int(rows * (scores + tokens))

@@ -75,9 +75,9 @@ def test_two_8k_requests_at_once_are_both_served_within_the_rss_bound(server):
 # --- the budget follows the tiled costs -----------------------------------------------------------------
 
 def modernbert_base_plan() -> EncoderConfig:
-    return EncoderConfig(name="mb-base", d_model=768, n_heads=12, n_layers=22, d_ff=1152, vocab_size=50368,
-                         max_positions=8192).replace(local_layers=tuple(i for i in range(22) if i % 3),
-                                                      local_window=64)
+    local = tuple(i for i in range(22) if i % 3)  # every third layer global
+    return EncoderConfig(name="mb-base", d_model=768, n_heads=12, n_layers=22, d_ff=1152, ffn="gated",
+                         vocab_size=50368, max_positions=8192, local_layers=local, local_window=64)
 
 
 def test_the_budget_admits_a_32k_bidirectional_row_of_modernbert_base_on_the_sparse_path():
