@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from model.config import ConfigError, EncoderConfig, from_dict, variants
+from model.config import VARIANT_PRESETS, ConfigError, EncoderConfig, from_dict, variants
 from model.export_format import TOKENIZER_FILE
 
 DEFAULT_OUT_DIR = "exports"
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set n_layers=2")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
-                        help=f"config variant(s) to write (repeatable): {', '.join(variants())}; default: default")
+                        help=f"config variant(s) to write (repeatable): {', '.join(VARIANT_PRESETS)}; default: default")
     parser.add_argument("--all-variants", action="store_true", help="write every config variant")
     parser.add_argument("--graphs", default="fp32,optimized,long",
                         help=f"comma-separated graph variants per export: {', '.join(GRAPHS)}, or long (the config's "
@@ -104,11 +104,11 @@ def _plan(args: argparse.Namespace) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {args.config} is not JSON: {exc}") from None
     base = base.replace(**_parse_overrides(args.set)) if args.set else base
-    table = variants(base)
-    names = list(table) if args.all_variants else (args.variant or ["default"])
-    unknown = [n for n in names if n not in table]
+    names = list(VARIANT_PRESETS) if args.all_variants else (args.variant or ["default"])
+    unknown = [n for n in names if n not in VARIANT_PRESETS]
     if unknown:
-        raise ConfigError(f"unknown variant {', '.join(unknown)}; known: {', '.join(table)}")
+        raise ConfigError(f"unknown variant {', '.join(unknown)}; known: {', '.join(VARIANT_PRESETS)}")
+    table = variants(base, names)
     plans = []
     for name in names:
         config = table[name]

@@ -227,22 +227,27 @@ def from_json(text: str) -> EncoderConfig:
 
 # Named presets: the default model and one config per variant switch, so that every switch is
 # exported and parity-tested. `python -m export --variant NAME` writes these.
-def variants(base: EncoderConfig | None = None) -> dict[str, EncoderConfig]:
+VARIANT_PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "default": {},
+    "scale-none": {"scaling": "temperature", "temperature": 1.0},
+    "scale-temperature": {"scaling": "temperature", "temperature": 4.0},
+    "scale-cosine": {"scaling": "cosine", "temperature": 0.1},
+    "scale-length": {"scaling": "length"},
+    "pre-norm": {"norm_placement": "pre"},
+    "pos-learned": {"positional": "learned"},
+    "pos-none": {"positional": "none"},
+    "gelu": {"activation": "gelu"},
+    "additive": {"attention": "additive"},
+    "linear": {"attention": "linear"},
+    "performer": {"attention": "performer"},
+    "features": {"input_kind": "features"},
+}
+
+
+def variants(base: EncoderConfig | None = None, only=None) -> dict[str, EncoderConfig]:
+    """The presets applied to `base`; `only`: just these names (a preset that cannot apply to `base`,
+    e.g. "features" to a config with a sparse head, is a ConfigError only when asked for)."""
     base = base or EncoderConfig()
-    presets = {
-        "default": {},
-        "scale-none": {"scaling": "temperature", "temperature": 1.0},
-        "scale-temperature": {"scaling": "temperature", "temperature": 4.0},
-        "scale-cosine": {"scaling": "cosine", "temperature": 0.1},
-        "scale-length": {"scaling": "length"},
-        "pre-norm": {"norm_placement": "pre"},
-        "pos-learned": {"positional": "learned"},
-        "pos-none": {"positional": "none"},
-        "gelu": {"activation": "gelu"},
-        "additive": {"attention": "additive"},
-        "linear": {"attention": "linear"},
-        "performer": {"attention": "performer"},
-        "features": {"input_kind": "features"},
-    }
-    return {name: base.replace(name=name if name != "default" else base.name, **change)
-            for name, change in presets.items()}
+    names = list(VARIANT_PRESETS) if only is None else [n for n in only if n in VARIANT_PRESETS]
+    return {name: base.replace(name=name if name != "default" else base.name, **VARIANT_PRESETS[name])
+            for name in names}

@@ -62,3 +62,10 @@ def test_every_variant_changes_exactly_its_switch_from_the_default():
         changed = {f.name for f in dataclasses.fields(base) if getattr(base, f.name) != getattr(config, f.name)}
         assert len(changed - {"name"}) <= 2, (name, changed)
         assert name == "default" or changed, name
+
+
+def test_variants_builds_only_the_presets_asked_for():
+    sparse = EncoderConfig(head="sparse")
+    assert list(variants(sparse, ["default"])) == ["default"]  # "features" cannot take a sparse head
+    with pytest.raises(ConfigError, match="head='sparse' needs input_kind='tokens'"):
+        variants(sparse, ["features"])
