@@ -1,7 +1,15 @@
 """ONNX subgraphs for the long-input attention ops of model/long_attention.py (torch.onnx's
-custom_translation_table), built from ordinary ONNX ops with onnxscript.
+custom_translation_table), built from ordinary ONNX ops with onnxscript, plus If / Loop nodes and one
+contrib op (com.microsoft MultiHeadAttention) recorded as they are (`_node`, `_subgraph`).
 
-No tensor here has two sequence-sized axes (a test checks the saved graphs' inferred shapes):
+No tensor here has two sequence-sized axes (a test checks the saved graphs' inferred shapes; the
+global layers' tiles: tests/test_tiled_attention.py):
+
+global   (a layer without `limit`) an If on the run's rows: every row attends to every real key
+         (bidirectional rows, which a plan's global layer receives as dilated step-1 rows) ->
+         MultiHeadAttention, whose CPU kernel is MLAS flash attention in L2-sized tiles (no mask
+         input: key padding is an extra head column, 1 for queries, 0 / PAD_SCORE for keys); else
+         the band and strided parts below.
 
 sparse_softmax_attention, per row of a batch (model/attention_paths.py):
   band     K = clamp(max window of the run's band rows, MIN_BLOCK, T); T padded to NB·K; queries in
@@ -10,8 +18,9 @@ sparse_softmax_attention, per row of a batch (model/attention_paths.py):
            Query i = nb·K + a meets key j = (nb − 1)·K + c at distance i − j = K + a − c, the same for
            every block, so the band rule is one (K, 3K) table per row.
   strided  S = the run's step (T when no row is strided); T padded to M·S; the S interleaved
-           sub-sequences (B, H, S, M, d) attend within themselves: scores (B, H, S, M, M), allowed
-           where the row is strided and |i − j| > its band window (no key counted twice).
+           sub-sequences (B, H, S, M, d) attend within themselves, in a Loop over tiles of
+           QUERY_TILE queries: scores (B, H, S, QUERY_TILE, M) per tile (never M x M), allowed where
+           the row is strided and |i − j| > its band window (no key counted twice).
   merge    the two partial softmaxes are combined exactly: m = max(m₁, m₂),
            out = (e^(m₁−m)·o₁ + e^(m₂−m)·o₂) / (e^(m₁−m)·l₁ + e^(m₂−m)·l₂); a query with no allowed
            key (l = 0) gives zeros.
@@ -127,8 +136,8 @@ def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, ma
     # A run of rows that all attend to every real key (a plan's bidirectional rows on a global layer
     # arrive as dilated, step 1, not causal) goes to ONNX Runtime's fused attention; any other run to
     # the banded + query-tiled strided parts. Neither holds a T x T tensor.
-    full = op.And(op.And(op.Equal(mask_kind, _i64(int(MaskKind.DILATED))), op.Not(op.Cast(mask_causal, to=ir.DataType.BOOL))),
-                  op.Equal(mask_step, _i64(1)))
+    not_causal = op.Not(op.Cast(mask_causal, to=ir.DataType.BOOL))
+    full = op.And(op.And(op.Equal(mask_kind, _i64(int(MaskKind.DILATED))), not_causal), op.Equal(mask_step, _i64(1)))
     every_row_full = op.Cast(op.ReduceMin(op.Cast(full, to=ir.DataType.INT64), keepdims=0), to=ir.DataType.BOOL)
     return _node("If", [every_row_full], {
         "then_branch": _subgraph(lambda: [_fused_full_attention(q, k, v, attention_mask, heads, width)], (), FLOAT),
@@ -160,8 +169,8 @@ def _fused_full_attention(q, k, v, attention_mask, heads: int, width: int):
                 {"num_heads": heads, "scale": 1.0}, domain="com.microsoft")  # (B, T, H·d)
     out = op.Transpose(op.Reshape(out, op.Concat(op.Shape(q, start=0, end=1), op.Shape(q, start=2, end=3),
                                                  _i64(heads, width), axis=0)), perm=[0, 2, 1, 3])
-    any_key = op.Unsqueeze(op.Greater(op.ReduceMax(op.Cast(attention_mask, to=ir.DataType.INT64), _i64(1), keepdims=0),
-                                      _i64(0)), _i64(1, 2, 3))  # (B, 1, 1, 1)
+    real_keys = op.ReduceMax(op.Cast(attention_mask, to=ir.DataType.INT64), _i64(1), keepdims=0)  # (B,)
+    any_key = op.Unsqueeze(op.Greater(real_keys, _i64(0)), _i64(1, 2, 3))  # (B, 1, 1, 1)
     return op.Where(any_key, out, _f32(0.0))  # (B, H, T, d)
 
 
@@ -248,9 +257,10 @@ def _banded_and_strided(q, k, v, attention_mask, mask_kind, mask_causal, mask_wi
     body = _subgraph(one_tile, (_scalar("tile_index", ir.DataType.INT64), _scalar("tile_go_on", ir.DataType.BOOL)),
                      (ir.DataType.BOOL, ir.DataType.FLOAT))
     packed = _node("Loop", [op.Squeeze(tiles), op.Constant(value=ir.tensor(np.array(True)))], {"body": body})
-    packed = op.Transpose(packed, perm=[1, 2, 3, 0, 4, 5])  # (tiles, B, H, S, tile, d + 2) -> (B, H, S, tiles, tile, d + 2)
+    # (tiles, B, H, S, tile, d + 2) -> (B, H, S, tiles, tile, d + 2) -> (B, H, S, M, d + 2)
+    packed = op.Transpose(packed, perm=[1, 2, 3, 0, 4, 5])
     packed = op.Reshape(packed, op.Concat(lead, step, _i64(-1), op.Add(op.Shape(vs, start=4, end=5), _i64(2)), axis=0))
-    packed = op.Slice(packed, _i64(0), groups, _i64(3))  # (B, H, S, M, d + 2)
+    packed = op.Slice(packed, _i64(0), groups, _i64(3))
     out2 = op.Slice(packed, _i64(0), _i64(-2), _i64(4))
     top2 = op.Slice(packed, _i64(-2), _i64(-1), _i64(4))
     sum2 = op.Slice(packed, _i64(-1), _i64(1 << 62), _i64(4))
