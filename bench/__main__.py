@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-requests", default=None, help="two request counts, e.g. 1000,20000")
     parser.add_argument("--long", action="store_true",
                         help="only the long-input benchmark (bench/long_bench.py), into bench-results/long.json")
+    parser.add_argument("--lengths", default="", help="with --long: only these T, e.g. 4096,32768 (default: all)")
+    parser.add_argument("--engines", default="",
+                        help="with --long: only these engines, of served,dense,torch,torch-sdpa (default: all)")
     parser.add_argument("--no-long", action="store_true", help="skip the long-input part of a full run")
     parser.add_argument("--front-end", action="store_true",
                         help="only the front end's cost per protocol (bench/front_end.py: Encode vs KServe v2, "
@@ -59,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return models_bench.main(["--out", str(Path(args.out).with_name("models.json")),
                                   *(["--quick"] if args.quick else [])])
     if args.long:
-        report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say)
+        report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say,
+                          lengths=tuple(int(t) for t in args.lengths.split(",") if t),
+                          engines=tuple(e for e in args.engines.split(",") if e))
         print(report["table"])
         print(f"\nwrote {long_out}")
         return 0

@@ -81,8 +81,9 @@ def _estimate(config, path: str, length: int, kind: str, window: int, step: int)
 
 
 def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 3, device: str = "cpu",
-             say=print) -> dict:
-    """Exports (or reuses) the three models with their long graphs, measures every case, returns the report."""
+             lengths: tuple = (), engines: tuple = (), say=print) -> dict:
+    """Exports (or reuses) the three models with their long graphs, measures every case, returns the report.
+    `lengths` and `engines` (default: all) narrow a run to fit a time budget (a lent GPU's, say)."""
     from bench.run import BenchOptions, ensure_export, machine_info, physical_cores
     from model.attention_paths import DENSE, cheapest, RowMask
     from model.config import to_dict
@@ -90,12 +91,16 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
     from model.mask_kinds import MaskKind
     from serve.core.attention_budget import available_memory
 
+    engines = tuple(engines) or ENGINES
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise ValueError(f"unknown engines {sorted(unknown)}; known: {', '.join(ENGINES)}")
     threads = threads or physical_cores()
     options = BenchOptions(out=out, quick=quick)
     configs = _configs(quick)
     exports = {name: ensure_export(config, ("fp32", "long"), options, say) for name, config in configs.items()}
-    lengths = QUICK_LENGTHS if quick else LENGTHS
-    extra = () if quick else (8192,)  # the issue's comparison point
+    extra = () if quick or lengths else (8192,)  # the issue's comparison point (named lengths: only those)
+    lengths = tuple(lengths) or (QUICK_LENGTHS if quick else LENGTHS)
     if device == "cuda":
         import torch
 
@@ -110,7 +115,7 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
                  for name, entry in metadata.graphs.items() if name in ("fp32", "sparse", "linear")}
         for length in sorted({*lengths, *extra}):
             served = cheapest(length, RowMask(MaskKind.parse(kind), window, step), config, tuple(files))
-            for engine in ENGINES:
+            for engine in engines:
                 if length in extra and engine != "served" and label not in ("window 128", "dilated 8"):
                     continue
                 if engine == "torch-sdpa" and config.attention != "softmax":

@@ -11,6 +11,9 @@ in a fresh process (its own peak RSS), bidirectional rows (what an embedding req
   hf-eager  transformers' ModernBertModel, eager attention (the parity reference)
 
 Time is one timed run after one warm-up run (the runs are long); `--lengths` and `--engines` choose.
+`--device cuda`: every engine on the GPU (ONNX Runtime's CUDA provider with TF32 off, as the server runs
+it; PyTorch with its inputs there, synchronised), and the device memory in use after the run beside
+the host's peak RSS (NVML; one engine runs at a time, and both allocators keep their peak pools).
 The arithmetic bound of long vs dense at 8192: projections and FFN are equal, attention is 8/22 of
 dense's, about 1.8x overall.
 """
@@ -54,7 +57,20 @@ def _peak_rss_mib() -> float:
     return 0.0
 
 
-def one(directory: Path, engine: str, length: int, threads: int) -> dict:
+def _device_used_mib() -> float | None:
+    """Memory in use on GPU 0 (NVML): this process's pools plus its CUDA context, the only process there."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / 2**20
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def one(directory: Path, engine: str, length: int, threads: int, device: str = "cpu") -> dict:
     """One measurement in this process."""
     import numpy as np
 
@@ -66,12 +82,13 @@ def one(directory: Path, engine: str, length: int, threads: int) -> dict:
 
         torch.set_num_threads(threads)
         model = ModernBertModel.from_pretrained(str(directory / "checkpoint"),
-                                                attn_implementation=engine.split("-")[1]).eval()
-        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+                                                attn_implementation=engine.split("-")[1]).eval().to(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, as the ONNX sessions run them
+        ids_t, mask_t = torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
         def run():
             with torch.no_grad():
-                return model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state.numpy()
+                return model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state.cpu().numpy()
     else:
         import onnxruntime as ort
 
@@ -81,7 +98,10 @@ def one(directory: Path, engine: str, length: int, threads: int) -> dict:
         # turns it off there too (ModernBERT-base's dense graph at 8192 does not fit 23 GiB with it)
         options.enable_cpu_mem_arena = engine == "dense" and not os.environ.get("ENCODER_BENCH_NO_ARENA")
         graph = directory / "export" / ("model.sparse.onnx" if engine == "long" else "model.onnx")
-        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        providers = [("CUDAExecutionProvider", {"use_tf32": "0"})] if device == "cuda" else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(str(graph), options, providers=providers)
+        if session.get_providers()[0] != providers[0][0] and device == "cuda":
+            raise SystemExit(f"CUDAExecutionProvider not available: {session.get_providers()}")
         feeds = {"input_ids": ids, "attention_mask": mask, "mask_kind": np.zeros(1, np.int64),
                  "mask_causal": np.zeros(1, bool), "mask_window": np.zeros(1, np.int64),
                  "mask_step": np.ones(1, np.int64), "custom_mask": np.ones((1, length, length), bool)}
@@ -97,8 +117,11 @@ def one(directory: Path, engine: str, length: int, threads: int) -> dict:
     hidden = run()
     elapsed = time.perf_counter() - started
     np.save(directory / f"hidden-{engine}-{length}.npy", hidden)  # for the parity column
-    return {"engine": engine, "length": length, "ms": elapsed * 1e3,
-            "warmup_ms": warm * 1e3, "peak_rss_mib": _peak_rss_mib()}
+    result = {"engine": engine, "length": length, "ms": elapsed * 1e3, "warmup_ms": warm * 1e3,
+              "peak_rss_mib": _peak_rss_mib(), "device": device}
+    if device == "cuda":
+        result["device_used_mib"] = _device_used_mib()
+    return result
 
 
 def _difference(directory: Path, first: str, engine: str, length: int) -> float | None:
@@ -115,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="8192")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: ONNX Runtime's CUDA provider and PyTorch on the GPU (needs onnxruntime-gpu)")
     parser.add_argument("--layers", type=int, help="fewer layers than ModernBERT-base's 22 (smoke runs)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/modernbert.json"))
     parser.add_argument("--one", nargs=2, metavar=("ENGINE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="modernbert-bench-"))
     if args.one:
-        print(json.dumps(one(directory, args.one[0], int(args.one[1]), args.threads)))
+        print(json.dumps(one(directory, args.one[0], int(args.one[1]), args.threads, args.device)))
         return 0
     if not (directory / "export" / "metadata.json").is_file():
         started = time.perf_counter()
@@ -131,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     for length in (int(n) for n in args.lengths.split(",")):
         for engine in args.engines.split(","):
             proc = subprocess.run([sys.executable, "-m", "bench.modernbert_bench", "--dir", str(directory),
-                                   "--threads", str(args.threads), "--one", engine, str(length)],
+                                   "--threads", str(args.threads), "--device", args.device,
+                                   "--one", engine, str(length)],
                                   capture_output=True, text=True)
             if proc.returncode:
                 result = {"engine": engine, "length": length, "error": (proc.stderr or "")[-300:] or f"rc {proc.returncode}"}
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["max_abs_vs_first"] = _difference(directory, args.engines.split(",")[0], engine, length)
             results.append(result)
             print(json.dumps(result), file=sys.stderr, flush=True)
-    print(f"{'engine':10} {'T':>6} {'ms':>10} {'peak RSS MiB':>13} {'vs long':>8} {'max |diff| vs first':>20}")
+    print(f"{'engine':10} {'T':>6} {'ms':>10} {'peak RSS MiB':>13} {'vs long':>8} {'max |diff| vs first':>20}"
+          + (f" {'GPU used MiB':>13}" if args.device == "cuda" else ""))
     for r in results:
         if "error" in r:
             print(f"{r['engine']:10} {r['length']:>6} failed: {r['error'][-120:]!r}")
@@ -148,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         base = next((x["ms"] for x in results if x["engine"] == "long" and x["length"] == r["length"] and "ms" in x), None)
         ratio = f"{r['ms'] / base:.2f}x" if base else ""
         diff = r.get("max_abs_vs_first")
+        used = r.get("device_used_mib")
         print(f"{r['engine']:10} {r['length']:>6} {r['ms']:>10.0f} {r['peak_rss_mib']:>13.0f} {ratio:>8} "
-              f"{'' if diff is None else f'{diff:.2e}':>20}")
+              f"{'' if diff is None else f'{diff:.2e}':>20}" + (f" {used:>13.0f}" if used is not None else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"threads": args.threads, "directory": str(directory), "results": results}, indent=2))
+    args.out.write_text(json.dumps({"threads": args.threads, "device": args.device, "directory": str(directory), "results": results}, indent=2))
     return 0
 
 

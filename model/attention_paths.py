@@ -90,7 +90,8 @@ def path_kinds(path: str, config: EncoderConfig) -> frozenset:
     return kinds
 
 
-def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig, *, peak: bool = False) -> float:
+def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig, *, peak: bool = False,
+                   fused_tiles: bool = True) -> float:
     """Attention score elements one row computes per head and layer on `path` (its work), or holds at
     once (`peak`, its memory). On the sparse path the strided part runs in tiles of QUERY_TILE queries
     per sub-sequence, so it computes S·M² scores but holds S·min(M, QUERY_TILE)·M at a time (M = T/S).
@@ -98,7 +99,9 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
     local layer on the sparse path costs its band T·3K, K = max(local_window, MIN_BLOCK), whatever the
     row's kind; a global layer what the row's kind costs (bidirectional and causal rows: T² work, as
     dense, in tiles of QUERY_TILE·T; bidirectional runs hold even less, in the fused kernel's L2-sized
-    tiles, which this estimate does not count on)."""
+    tiles, which this estimate does not count on). `fused_tiles=False`: the fused kernel holds every
+    T² score of a bidirectional row's global layer, as ONNX Runtime's CUDA MultiHeadAttention does for
+    our q/k head width (its unfused kernel; docs/long-inputs.md, "On CUDA")."""
     t = max(length, 1)
     if path == DENSE:
         return float(t * t)
@@ -108,10 +111,11 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
     if config.local_layers:
         k = block_size(config.local_window, t)
         local = math.ceil(t / k) * k * 3 * k
+        held_whole = not fused_tiles and mask.kind == MaskKind.BIDIRECTIONAL
         if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # global layers: dense (step 1)
             mask = RowMask(MaskKind.DILATED, 0, 1)
         plain = config.replace(local_layers=())
-        global_cost = score_elements(path, length, mask, plain, peak=peak)
+        global_cost = float(t * t) if held_whole else score_elements(path, length, mask, plain, peak=peak)
         n_local = len(config.local_layers)
         if peak:
             return float(max(local, global_cost) if n_local < config.n_layers else local)
@@ -144,10 +148,12 @@ def cheapest(length: int, mask: RowMask, config: EncoderConfig, available: tuple
     return best
 
 
-def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: EncoderConfig) -> int:
+def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: EncoderConfig, *,
+                    fused_tiles: bool = True) -> int:
     """Estimated peak bytes of one run of `rows` rows of `length` tokens on `path` (one layer's attention
     at its peak, plus the activations that scale with the tokens)."""
-    scores = score_elements(path, length, mask, config, peak=True) * config.n_heads * BYTES_PER_SCORE[path]
+    scores = (score_elements(path, length, mask, config, peak=True, fused_tiles=fused_tiles) * config.n_heads
+              * BYTES_PER_SCORE[path])
     ffn_width = 2 * config.d_ff if config.ffn == "gated" else config.d_ff  # a GLU's up projection is 2·d_ff wide
     tokens = length * max(config.d_model, ffn_width) * BYTES_PER_TOKEN_DIM / 4
     return int(rows * (scores + tokens))

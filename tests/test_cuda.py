@@ -9,6 +9,7 @@ no GPU exists.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +195,149 @@ def test_a_long_window_request_served_on_cuda_runs_sparse_and_equals_pytorch(ser
     _, pooled = reference_for(serve_long_export_dir)(ids, MaskKind.SLIDING_WINDOW, window=32)
     np.testing.assert_allclose(np.frombuffer(response.results[0].embedding.data, np.float32), pooled, atol=ATOL)
     assert server.terminate() == 0, server.log()
+
+
+# --- global attention in tiles on CUDA (export/long_graphs.py): the sparse graph of a ModernBERT plan.
+# A bidirectional run takes com.microsoft MultiHeadAttention (CUDA's own kernels, with the key padding as
+# an extra head column); any other run the Loop over query tiles. Both must equal transformers there too.
+
+
+@pytest.fixture(scope="module")
+def modernbert_on_cuda(tmp_path_factory):
+    """(transformers ModernBertModel (eager, CPU), the sparse graph's CUDA session, our loaded encoder, graph,
+    the checkpoint's directory)."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from export.cli import main as export_main
+    from model.hf_bert import load_pretrained
+    from tests.hf_references import redraw
+    from tests.test_tiled_attention import WIDE
+
+    config = ModernBertConfig(**{**WIDE, "max_position_embeddings": 32768})  # rotary: any length
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = redraw(ModernBertModel(config))
+    checkpoint = tmp_path_factory.mktemp("mb-cuda")
+    reference.save_pretrained(str(checkpoint))
+    out = tmp_path_factory.mktemp("mb-cuda-export")
+    assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "mb",
+                        "--graphs", "fp32,long", "--quiet"]) == 0
+    graph = str(out / "mb" / "model.sparse.onnx")
+    session = ort.InferenceSession(graph, providers=[(CUDA, {"use_tf32": "0"})])
+    assert session.get_providers()[0] == CUDA
+    return reference, session, load_pretrained(checkpoint), graph, checkpoint
+
+
+@pytest.mark.parametrize("lengths", [[1], [64], [65], [129], [300, 200, 0], [2049, 1000, 1]], ids=str)
+def test_tiled_global_layers_on_cuda_equal_transformers_for_bidirectional_runs(modernbert_on_cuda, lengths):
+    import torch
+
+    from tests.test_tiled_attention import assert_close_at_real_positions, bidirectional_feeds, run_sparse
+
+    reference, session, loaded, *_ = modernbert_on_cuda
+    feeds = bidirectional_feeds(loaded.config, lengths, seed=len(lengths))
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(feeds["input_ids"]),
+                             attention_mask=torch.from_numpy(feeds["attention_mask"])).last_hidden_state.numpy()
+    hidden = run_sparse(session, feeds)
+    assert np.isfinite(hidden).all()
+    assert_close_at_real_positions(hidden, expected, feeds["attention_mask"])
+
+
+@pytest.mark.parametrize("spec", ["causal", "dilated", "mixed"])
+def test_tiled_loop_rows_on_cuda_equal_dense_pytorch(modernbert_on_cuda, spec):
+    from export.cases import MaskSpec, make_feeds
+    from export.contract import ExportContract
+    from export.validate import reference_outputs
+    from model.attention_paths import QUERY_TILE
+    from tests.test_tiled_attention import assert_close_at_real_positions, run_sparse
+
+    _, session, loaded, *_ = modernbert_on_cuda
+    rows = {"causal": MaskSpec(MaskKind.CAUSAL), "dilated": MaskSpec(MaskKind.DILATED, step=3, causal=True),
+            "mixed": [MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL)]}[spec]
+    feeds = make_feeds(loaded.config, [3 * QUERY_TILE + 1, QUERY_TILE], rows, seed=3)
+    expected = reference_outputs(loaded.encoder, ExportContract(loaded.config), feeds)[0]
+    assert_close_at_real_positions(run_sparse(session, feeds), expected, feeds["attention_mask"])
+
+
+def test_the_fused_attention_of_a_bidirectional_run_executes_on_the_cuda_provider(modernbert_on_cuda, tmp_path):
+    """ONNX Runtime places a node its CUDA provider cannot run on the CPU, silently: the profile says where
+    each MultiHeadAttention node ran."""
+    from tests.test_tiled_attention import bidirectional_feeds, run_sparse
+
+    _, _, loaded, graph, _ = modernbert_on_cuda
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(graph, options, providers=[(CUDA, {"use_tf32": "0"})])
+    run_sparse(session, bidirectional_feeds(loaded.config, [300, 200]))
+    events = json.loads(Path(session.end_profiling()).read_text())
+    providers = {e["args"].get("provider") for e in events
+                 if e.get("cat") == "Node" and e.get("args", {}).get("op_name") == "MultiHeadAttention"}
+    assert providers == {CUDA}
+
+
+def test_on_cuda_a_row_past_the_kernels_32_bit_index_is_refused_and_the_server_stays_healthy(
+        modernbert_on_cuda, serve_start):
+    """ONNX Runtime's CUDA MultiHeadAttention runs its unfused kernel for the fused global layer (q/k head
+    width 65) and indexes its B·H·T² scores with 32-bit integers: past 2^31 an illegal memory access
+    leaves the process's CUDA context unusable (ModernBERT-base at 16k on an H200). The server refuses such
+    a row RESOURCE_EXHAUSTED naming the limit (serve/core/attention_budget.py) and goes on serving."""
+    import grpc
+
+    from client import build_request
+
+    _, _, _, graph, _ = modernbert_on_cuda
+    server = serve_start(Path(graph).parent, "--device", "cuda", timeout=180.0)
+    try:
+        with EncoderClient(server.target, timeout=120, retries=0) as client:
+            with pytest.raises(grpc.RpcError) as refused:  # 2 heads x 32768² = 2^31 scores
+                client.stub.Encode(build_request([np.full(32768, 7, np.int64)]), timeout=120)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2147483647" in refused.value.details()
+            response = client.stub.Encode(build_request([np.full(8192, 7, np.int64)]), timeout=120)
+        assert list(response.metadata.attention_paths) == ["sparse"]
+        assert response.metadata.execution_provider == CUDA
+    finally:
+        assert server.terminate() == 0, server.log()
+
+
+# --- task heads on CUDA (model/heads.py): a cross-encoder's logits equal transformers' there too
+
+
+def test_a_cross_encoder_head_on_cuda_matches_transformers(tmp_path):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from export.cli import main as export_main
+    from tests.hf_references import redraw
+
+    config = BertConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=48, num_labels=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = redraw(BertForSequenceClassification(config))
+    reference.save_pretrained(str(tmp_path / "ce"))
+    assert export_main(["--from-pretrained", str(tmp_path / "ce"), "--out-dir", str(tmp_path / "out"),
+                        "--name", "ce", "--graphs", "fp32,optimized", "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    lengths = [13, 1, 40]
+    ids = np.zeros((3, 40), np.int64)
+    mask = np.zeros((3, 40), np.int64)
+    types = np.zeros((3, 40), np.int64)
+    for row, n in enumerate(lengths):
+        ids[row, :n], mask[row, :n], types[row, n // 2:n] = rng.integers(3, 101, n), 1, 1
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                         token_type_ids=torch.from_numpy(types)).logits.numpy()
+    from model.masks import default_mask_inputs
+
+    feeds = {k: v.numpy() for k, v in default_mask_inputs(torch.from_numpy(mask), MaskKind.BIDIRECTIONAL).items()}
+    feeds.update(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    for name in ("model.onnx", "model.optimized.onnx"):
+        session = ort.InferenceSession(str(tmp_path / "out" / "ce" / name), providers=[(CUDA, {"use_tf32": "0"})])
+        assert session.get_providers()[0] == CUDA
+        wanted = {i.name for i in session.get_inputs()}
+        logits = session.run(["logits"], {k: v for k, v in feeds.items() if k in wanted})[0]
+        np.testing.assert_allclose(logits, want, atol=ATOL, rtol=0, err_msg=name)

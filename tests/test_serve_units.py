@@ -298,6 +298,23 @@ def test_batcher_respects_the_token_budget():
     batcher.stop(5)
 
 
+def test_on_cuda_the_batcher_never_forms_a_run_past_the_attention_element_bound():
+    """A run's rows are padded to its longest; with the budget's element bound (CUDA's 2^31 - 1, here one
+    that two rows of 4 tokens fill: 2 rows x 2 heads x 4²) a third row waits for the next run."""
+    from model.attention_paths import DENSE
+    from serve.core.attention_budget import AttentionBudget
+
+    budget = AttentionBudget(CONFIG, (DENSE,), 1 << 30, max_elements=2 * CONFIG.n_heads * 4 ** 2)
+    backend = FakeBackend()
+    batcher = _batcher(backend, budget=budget)
+    request = EncodeRequest((np.int64([1, 2, 3, 4]),), hidden_states=True, pooling="mean")
+    tickets = [batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32), budget), None) for _ in range(3)]
+    for t in tickets:
+        t.wait(5)
+    assert backend.batches == [2, 1]
+    batcher.stop(5)
+
+
 def test_batcher_full_queue_is_overloaded():
     backend = FakeBackend()
     backend.release.clear()

@@ -19,6 +19,7 @@ from export.cli import main as export_main
 from model.attention_paths import DENSE, SPARSE, RowMask
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
+from serve.backend.session import CUDA
 from serve.core.attention_budget import AttentionBudget
 from serve.errors import TooLarge
 from tests.concurrency import call_concurrently
@@ -93,3 +94,44 @@ def test_the_budget_still_refuses_what_does_not_fit_naming_the_limit():
     with pytest.raises(TooLarge) as refused:
         budget.check(np.array([32768, 32768]), RowMask(MaskKind.BIDIRECTIONAL))
     assert f"max_attention_bytes={GIB // 4}" in str(refused.value) and "T=32768" in str(refused.value)
+
+
+# --- on CUDA (attention_budget.py): the fused global layer holds its T² scores, and no attention tensor
+# passes what ONNX Runtime's CUDA kernels index (2^31 - 1 elements). Measured on an H200: ModernBERT-base's
+# bidirectional 8k row held 11 GiB of device memory; 16k (12 x 16384² scores) was an illegal memory access.
+# The budget's arithmetic needs no GPU: it is given the provider the sessions run on.
+
+def _cuda_budget(max_bytes: int = 1 << 40) -> AttentionBudget:
+    return AttentionBudget.for_device(modernbert_base_plan(), (DENSE, SPARSE), max_bytes, CUDA)
+
+
+def test_on_cuda_a_bidirectional_rows_global_layer_is_counted_with_all_its_scores():
+    cpu = AttentionBudget.for_device(modernbert_base_plan(), (DENSE, SPARSE), 1 << 40, "CPUExecutionProvider")
+    scores_8k = 12 * 8192 ** 2 * 4  # one float32 tensor of the global layer's scores
+    assert cpu.check(np.array([8192]), RowMask(MaskKind.BIDIRECTIONAL))[0] < scores_8k
+    assert _cuda_budget().check(np.array([8192]), RowMask(MaskKind.BIDIRECTIONAL))[0] > scores_8k
+
+
+def test_on_cuda_a_row_past_2_31_scores_in_one_tensor_is_refused_naming_the_limit():
+    budget = _cuda_budget()
+    budget.check(np.array([8192]), RowMask(MaskKind.BIDIRECTIONAL))  # 12 x 8192² = 805 M: admitted
+    with pytest.raises(TooLarge) as refused:
+        budget.check(np.array([16384]), RowMask(MaskKind.BIDIRECTIONAL))
+    message = str(refused.value)
+    assert "2147483647" in message and "CUDA" in message and "T=16384" in message
+
+
+def test_on_cuda_rows_of_one_request_count_together_against_the_element_bound():
+    with pytest.raises(TooLarge, match="3 sequences"):
+        _cuda_budget().check(np.array([8192, 8192, 100]), RowMask(MaskKind.BIDIRECTIONAL))
+
+
+def test_on_cuda_a_32k_sliding_window_row_is_still_admitted():
+    total, paths = _cuda_budget().check(np.array([32768]), RowMask(MaskKind.SLIDING_WINDOW, 128))
+    assert [path for path, _ in paths] == [SPARSE]
+
+
+def test_on_the_cpu_no_element_bound_applies():
+    budget = AttentionBudget.for_device(modernbert_base_plan(), (DENSE, SPARSE), 1 << 40, "CPUExecutionProvider")
+    assert budget.max_elements == 0 and budget.row_elements(32768, RowMask(MaskKind.BIDIRECTIONAL)) == 0
+    budget.check(np.array([32768, 32768]), RowMask(MaskKind.BIDIRECTIONAL))

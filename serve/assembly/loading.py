@@ -96,7 +96,8 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         config = dataclasses.replace(config, instances=1)
     export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
     backend = backend_factory(export, config)
-    budget = AttentionBudget(export.config, backend.info.paths, config.max_attention_bytes or default_budget())
+    budget = AttentionBudget.for_device(export.config, backend.info.paths,
+                                        config.max_attention_bytes or default_budget(), backend.info.execution_provider)
     warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
     backend.health()
     probe(backend, export)

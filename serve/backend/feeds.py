@@ -38,6 +38,7 @@ class Rows:
     paths: tuple[tuple[str, np.ndarray], ...] = ()  # (path, row indices) per path; (): every row dense
     attention_bytes: int = 0  # their attention's estimated memory (serve/core/attention_budget.py)
     types: np.ndarray | None = None  # int64 [n, T] token type ids (sentence pairs); None: zeros
+    row_elements: int = 0  # CUDA: elements of the largest attention tensor one row holds at `longest`; 0: unbounded
 
     def __len__(self) -> int:
         return int(self.block.shape[0])

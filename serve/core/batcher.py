@@ -265,6 +265,10 @@ class Batcher:
             batch: list[Ticket] = []
             rows = length = memory = 0
             memory_limit = self.budget.max_bytes if self.budget is not None else 0
+            # CUDA: the run's largest attention tensor (every row padded to the run's longest; a row's
+            # tensor grows at most as T²) stays within what the kernels index (attention_budget.py)
+            elements_limit = self.budget.max_elements if self.budget is not None else 0
+            elements_per_t2 = 0.0
             now = time.monotonic()
             while self._queue:
                 ticket = self._queue[0]
@@ -272,13 +276,16 @@ class Batcher:
                     self._queue.popleft()
                     continue
                 n, longest = len(ticket.rows), max(length, ticket.length)
+                per_t2 = n * ticket.rows.row_elements / max(ticket.length, 1) ** 2 if elements_limit else 0.0
                 if batch and (rows + n > self.max_batch_size or (rows + n) * longest > self.max_batch_tokens
-                              or (memory_limit and memory + ticket.attention_bytes > memory_limit)):
+                              or (memory_limit and memory + ticket.attention_bytes > memory_limit)
+                              or (elements_limit and (elements_per_t2 + per_t2) * longest ** 2 > elements_limit)):
                     break
                 self._queue.popleft()
                 self._queued_rows -= n
                 batch.append(ticket)
                 rows, length, memory = rows + n, longest, memory + ticket.attention_bytes
+                elements_per_t2 += per_t2
             if batch:
                 self._running[worker] = batch
                 # alone: no other batch runs or waits, in this model or another, so it may use every

@@ -138,11 +138,12 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits, budge
     mask = request.mask
     custom = _check_mask(mask, lengths, max_len)
     step = int(mask.step) if mask.step else 1
-    attention_bytes, paths = (0, ()) if budget is None else budget.check(
-        lengths, RowMask(MaskKind(mask.kind), int(mask.window), step))
+    row_mask = RowMask(MaskKind(mask.kind), int(mask.window), step)
+    attention_bytes, paths = (0, ()) if budget is None else budget.check(lengths, row_mask)
+    row_elements = 0 if budget is None else budget.row_elements(longest, row_mask)
     types = _pad_types(request.types, block.shape[1]) if len(request.types) else None
     return Rows(block, lengths, int(mask.kind), bool(mask.causal), int(mask.window), step, custom, paths,
-                attention_bytes, types)
+                attention_bytes=attention_bytes, types=types, row_elements=row_elements)
 
 
 def _pad_types(types: tuple[np.ndarray, ...], width: int) -> np.ndarray:
