@@ -12,11 +12,14 @@ global   (a layer without `limit`) an If on the run's rows: every row attends to
          the band and strided parts below.
 
 sparse_softmax_attention, per row of a batch (model/attention_paths.py):
-  band     K = clamp(max window of the run's band rows, MIN_BLOCK, T); T padded to NB·K; queries in
-           blocks (B, H, NB, K, d), keys and values as each block's previous, own and next block
-           (B, H, NB, 3K, d); scores (B, H, NB, K, 3K), allowed where |i − j| <= the row's window.
+  band     K = clamp(max window of the run's band rows, MIN_BLOCK, T); queries in blocks of K, each
+           against its previous, own and next block of keys, allowed where |i − j| <= the row's window.
            Query i = nb·K + a meets key j = (nb − 1)·K + c at distance i − j = K + a − c, the same for
-           every block, so the band rule is one (K, 3K) table per row.
+           every block, so the band rule is one (K, 3K) table per row. The blocks run in a Loop over
+           groups of G blocks (`_band`; G so that one group's scores, (B, H, G, K, 3K), are about
+           BAND_GROUP_BYTES and stay in L2): per group queries (B, H, G, K, d), keys and values
+           (B, H, G, 3K, d). A run with no strided row (sliding_window rows only) takes the band alone,
+           normalised inside each group (an If), and skips the strided part and the merge.
   strided  S = the run's step (T when no row is strided); T padded to M·S; the S interleaved
            sub-sequences (B, H, S, M, d) attend within themselves, in a Loop over tiles of
            QUERY_TILE queries: scores (B, H, S, QUERY_TILE, M) per tile (never M x M), allowed where
@@ -126,6 +129,80 @@ def first_query(index, tile):
     return op.Mul(index, tile)
 
 
+# Bytes of one group's band scores (B, H, G, K, 3K float32) in the band Loop: a group's element-wise
+# passes (mask, max, exp, sum, the weighted values) then run on tensors that stay in a core's L2 cache,
+# where one pass over the whole band streamed T-sized tensors from memory (at 32k, 200 MB each on the
+# default model: per-token time grew 1.4-1.9x for Exp, Where, Sub and Slice from 4k to 32k).
+BAND_GROUP_BYTES = 2 << 20
+
+
+def first_block(index, group):
+    """The first block of band group `index`: the band Loop's tiling hook (tests break it to show that
+    validation catches a wrong group boundary)."""
+    return op.Mul(index, group)
+
+
+def _band(q, k, v, valid, block, allowed_of, *, normalized: bool = False):
+    """Blocks of K = `block` queries against their previous, own and next block of keys, in a Loop over
+    groups of G blocks (G from BAND_GROUP_BYTES at run time): queries (B, H, G, K, d), keys and values
+    (B, H, G, 3K, d), scores (B, H, G, K, 3K), allowed = allowed_of(distance (K, 3K): i − j,
+    key_ok (B, 1, G, 1, 3K)). Query i = nb·K + a meets key j = (nb − 1)·K + c at distance K + a − c, the
+    same for every block. Returns the partial softmax pieces (max, sum, weighted values), each
+    (B, H, T, n); `normalized`: the band's own softmax output (B, H, T, d), divided inside each group
+    (no pieces to pack, slice and divide at full length)."""
+    lead = op.Shape(q, start=0, end=2)  # [B, H]
+    batch = op.Shape(q, start=0, end=1)
+    length = op.Shape(q, start=2, end=3)  # [T]
+    width = op.Shape(q, start=3, end=4)  # [d]
+    blocks = _ceil_div(length, block)  # NB
+    per_block = op.Mul(op.Mul(op.ReduceProd(lead, keepdims=1), op.Mul(block, op.Mul(block, _i64(3)))), _i64(4))
+    group = op.Max(op.Min(op.Div(_i64(BAND_GROUP_BYTES), per_block), blocks), _i64(1))  # G
+    groups = _ceil_div(blocks, group)
+    padded = op.Mul(op.Mul(groups, group), block)  # tokens, a whole number of groups
+    behind = op.Sub(op.Add(padded, block), length)
+    qp = _pad_seq(q, op.Sub(padded, length), 2)  # (B, H, padded, d)
+    kp, vp = _pad_seq(k, behind, 2, before=block), _pad_seq(v, behind, 2, before=block)  # a block each side
+    okp = _pad_seq(valid, behind, 1, before=block)  # (B, padded + 2K)
+    a = op.Range(_i64(0), op.Squeeze(block), _i64(1))
+    c = op.Range(_i64(0), op.Squeeze(op.Mul(block, _i64(3))), _i64(1))
+    distance = op.Sub(op.Add(op.Unsqueeze(a, _i64(1)), block), op.Unsqueeze(c, _i64(0)))  # (K, 3K): i - j
+    framed = op.Add(group, _i64(2))
+
+    def three(x, axis: int):
+        """(..., G + 2 blocks, K, ...) -> each block's previous, own and next block (..., G, 3K, ...)."""
+        parts = [op.Slice(x, _i64(s), op.Add(group, _i64(s)), _i64(axis)) for s in (0, 1, 2)]
+        return op.Concat(*parts, axis=axis + 1)
+
+    def one_group(index, condition):
+        start = op.Mul(first_block(index, group), block)  # first token of the group
+        span = op.Mul(group, block)
+        q_g = op.Reshape(op.Slice(qp, start, op.Add(start, span), _i64(2)), op.Concat(lead, group, block, width, axis=0))
+        kv_span = op.Add(start, op.Mul(framed, block))
+        kv_shape = op.Concat(lead, framed, block, width, axis=0)
+        k_g = three(op.Reshape(op.Slice(kp, start, kv_span, _i64(2)), kv_shape), 2)  # (B, H, G, 3K, d)
+        v_g = three(op.Reshape(op.Slice(vp, start, kv_span, _i64(2)), kv_shape), 2)
+        ok = three(op.Reshape(op.Slice(okp, start, kv_span, _i64(1)), op.Concat(batch, framed, block, axis=0)), 1)
+        key_ok = op.Unsqueeze(op.Cast(ok, to=ir.DataType.BOOL), _i64(1, 3))  # (B, 1, G, 1, 3K)
+        scores = op.MatMul(q_g, op.Transpose(k_g, perm=[0, 1, 2, 4, 3]))  # (B, H, G, K, 3K)
+        top, total, out = _partial_softmax(scores, allowed_of(distance, key_ok), v_g)
+        if normalized:  # (B, H, G, K, d); a query with no allowed key (total 0) gets zeros
+            return [op.Identity(condition), op.Div(out, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))]
+        return [op.Identity(condition), op.Concat(out, top, total, axis=-1)]  # (B, H, G, K, d + 2)
+
+    body = _subgraph(one_group, (_scalar("group_index", ir.DataType.INT64), _scalar("group_go_on", ir.DataType.BOOL)),
+                     (ir.DataType.BOOL, ir.DataType.FLOAT))
+    packed = _node("Loop", [op.Squeeze(groups), op.Constant(value=ir.tensor(np.array(True)))], {"body": body})
+    # (groups, B, H, G, K, d + 2) -> (B, H, groups, G, K, d + 2) -> (B, H, T, d + 2)
+    packed = op.Transpose(packed, perm=[1, 2, 0, 3, 4, 5])
+    packed = op.Slice(op.Reshape(packed, op.Concat(lead, padded, _i64(-1), axis=0)), _i64(0), length, _i64(2))
+    if normalized:
+        return packed
+    out = op.Slice(packed, _i64(0), _i64(-2), _i64(3))
+    top = op.Slice(packed, _i64(-2), _i64(-1), _i64(3))
+    total = op.Slice(packed, _i64(-1), _i64(1 << 62), _i64(3))
+    return top, total, out
+
+
 def sparse_softmax_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
                              scale: float, limit: int = -1):
     if limit >= 0:
@@ -186,97 +263,85 @@ def _banded_and_strided(q, k, v, attention_mask, mask_kind, mask_causal, mask_wi
     causal = op.Cast(mask_causal, to=ir.DataType.BOOL)
     valid = op.Cast(attention_mask, to=ir.DataType.INT64)  # (B, T) 0/1
 
-    # ---- band: blocks of K queries against their previous, own and next block of keys
+    # ---- band: blocks of K queries against their previous, own and next block of keys, in groups
     block = op.Min(op.Max(op.ReduceMax(band_window, keepdims=1), _i64(MIN_BLOCK)), op.Max(length, _i64(1)))
-    blocks = _ceil_div(length, block)  # NB
-    padded = op.Mul(blocks, block)
-    tail = op.Sub(padded, length)
-    qb = op.Reshape(_pad_seq(q, tail, 2), op.Concat(lead, blocks, block, _i64(-1), axis=0))  # (B, H, NB, K, d)
+    window_of_row, causal_of_row = _row(band_window, 5), op.Not(_row(causal, 5))
 
-    def windows(x, axis: int, shape):
-        """x (..., T, ...) -> each block's previous, own and next block, concatenated on the block axis + 1."""
-        framed = op.Reshape(_pad_seq(x, op.Add(tail, block), axis, before=block), shape)  # NB + 2 blocks
-        parts = [op.Slice(framed, _i64(s), op.Add(blocks, _i64(s)), _i64(axis)) for s in (0, 1, 2)]
-        return op.Concat(*parts, axis=axis + 1)
+    def band_allowed(distance, key_ok):  # (B, 1, G, K, 3K): |i - j| <= the row's window, causal rows j <= i
+        in_band = op.LessOrEqual(op.Abs(distance), window_of_row)
+        forward_ok = op.Or(causal_of_row, op.GreaterOrEqual(distance, _i64(0)))
+        return op.And(op.And(in_band, forward_ok), key_ok)
 
-    kv_shape = op.Concat(lead, op.Add(blocks, _i64(2)), block, _i64(-1), axis=0)
-    kb = windows(k, 2, kv_shape)  # (B, H, NB, 3K, d)
-    vb = windows(v, 2, kv_shape)
-    key_ok = windows(valid, 1, op.Concat(op.Shape(q, start=0, end=1), op.Add(blocks, _i64(2)), block, axis=0))
-    key_ok = op.Unsqueeze(op.Cast(key_ok, to=ir.DataType.BOOL), _i64(1, 3))  # (B, 1, NB, 1, 3K)
-    a = op.Range(_i64(0), op.Squeeze(block), _i64(1))
-    c = op.Range(_i64(0), op.Squeeze(op.Mul(block, _i64(3))), _i64(1))
-    distance = op.Sub(op.Add(op.Unsqueeze(a, _i64(1)), block), op.Unsqueeze(c, _i64(0)))  # (K, 3K): i - j
-    in_band = op.LessOrEqual(op.Abs(distance), _row(band_window, 5))  # (B, 1, 1, K, 3K)
-    forward_ok = op.Or(op.Not(_row(causal, 5)), op.GreaterOrEqual(distance, _i64(0)))
-    allowed = op.And(op.And(in_band, forward_ok), key_ok)  # (B, 1, NB, K, 3K)
-    scores = op.MatMul(qb, op.Transpose(kb, perm=[0, 1, 2, 4, 3]))  # (B, H, NB, K, 3K)
-    top1, sum1, out1 = _partial_softmax(scores, allowed, vb)
 
-    def band_to_sequence(x):  # (B, H, NB, K, n) -> (B, H, T, n)
-        flat = op.Reshape(x, op.Concat(lead, padded, _i64(-1), axis=0))
-        return op.Slice(flat, _i64(0), length, _i64(2))
+    # ---- strided: the S interleaved sub-sequences attend within themselves, in tiles of queries; then one
+    # softmax over the union. A run without strided rows (sliding_window rows only) skips both: its
+    # band's own softmax is the answer (an If on the run's rows).
+    def strided_and_merged():
+        top1, sum1, out1 = _band(q, k, v, valid, block, band_allowed)
+        step = op.ReduceMax(op.Where(strided_rows, mask_step, _i64(0)), keepdims=1)
+        step = op.Min(op.Where(op.Greater(step, _i64(0)), step, length), op.Max(length, _i64(1)))  # S
+        groups = _ceil_div(length, step)  # M
+        span = op.Mul(groups, step)
+        extra = op.Sub(span, length)
 
-    top1, sum1, out1 = band_to_sequence(top1), band_to_sequence(sum1), band_to_sequence(out1)
+        def interleave(x):  # (B, H, T, d) -> (B, H, S, M, d): sub-sequence r holds r, r + S, r + 2S, ...
+            grid = op.Reshape(_pad_seq(x, extra, 2), op.Concat(lead, groups, step, _i64(-1), axis=0))
+            return op.Transpose(grid, perm=[0, 1, 3, 2, 4])
 
-    # ---- strided: the S interleaved sub-sequences attend within themselves, in tiles of queries
-    step = op.ReduceMax(op.Where(strided_rows, mask_step, _i64(0)), keepdims=1)
-    step = op.Min(op.Where(op.Greater(step, _i64(0)), step, length), op.Max(length, _i64(1)))  # S
-    groups = _ceil_div(length, step)  # M
-    span = op.Mul(groups, step)
-    extra = op.Sub(span, length)
+        qs, ks, vs = interleave(q), interleave(k), interleave(v)
+        key_ok = op.Reshape(_pad_seq(valid, extra, 1), op.Concat(op.Shape(q, start=0, end=1), groups, step, axis=0))
+        key_ok = op.Unsqueeze(op.Cast(op.Transpose(key_ok, perm=[0, 2, 1]), to=ir.DataType.BOOL), _i64(1, 3))  # (B,1,S,1,M)
+        ks_t = op.Transpose(ks, perm=[0, 1, 2, 4, 3])  # (B, H, S, d, M)
+        tile = op.Min(_i64(QUERY_TILE), groups)  # queries of each sub-sequence per tile
+        tiles = _ceil_div(groups, tile)
+        qs = _pad_seq(qs, op.Sub(op.Mul(tiles, tile), groups), 3)  # (B, H, S, tiles·tile, d)
+        keys_at = op.Unsqueeze(op.Range(_i64(0), op.Squeeze(groups), _i64(1)), _i64(0))  # (1, M)
+        strided_ok = _row(strided_rows, 5)
+        no_causal = op.Not(_row(causal, 5))
+        band_limit = _row(band_window, 5)
 
-    def interleave(x):  # (B, H, T, d) -> (B, H, S, M, d): sub-sequence r holds r, r + S, r + 2S, ...
-        grid = op.Reshape(_pad_seq(x, extra, 2), op.Concat(lead, groups, step, _i64(-1), axis=0))
-        return op.Transpose(grid, perm=[0, 1, 3, 2, 4])
+        def one_tile(index, condition):
+            """Queries [start, start + tile) of every sub-sequence against all of its keys: scores
+            (B, H, S, tile, M), a tile's softmax pieces packed as (out, max, sum) on the last axis."""
+            start = first_query(index, tile)
+            q_tile = op.Slice(qs, start, op.Add(start, tile), _i64(3))  # (B, H, S, tile, d)
+            queries_at = op.Unsqueeze(op.Add(op.Range(_i64(0), op.Squeeze(tile), _i64(1)), start), _i64(1))  # (tile, 1)
+            distance = op.Mul(op.Sub(queries_at, keys_at), step)  # (tile, M): i - j
+            allowed = op.And(op.And(op.And(strided_ok, op.Greater(op.Abs(distance), band_limit)),
+                                    op.Or(no_causal, op.GreaterOrEqual(distance, _i64(0)))), key_ok)  # (B, 1, S, tile, M)
+            top, total, out = _partial_softmax(op.MatMul(q_tile, ks_t), allowed, vs)
+            return [op.Identity(condition), op.Concat(out, top, total, axis=-1)]
 
-    qs, ks, vs = interleave(q), interleave(k), interleave(v)
-    key_ok = op.Reshape(_pad_seq(valid, extra, 1), op.Concat(op.Shape(q, start=0, end=1), groups, step, axis=0))
-    key_ok = op.Unsqueeze(op.Cast(op.Transpose(key_ok, perm=[0, 2, 1]), to=ir.DataType.BOOL), _i64(1, 3))  # (B,1,S,1,M)
-    ks_t = op.Transpose(ks, perm=[0, 1, 2, 4, 3])  # (B, H, S, d, M)
-    tile = op.Min(_i64(QUERY_TILE), groups)  # queries of each sub-sequence per tile
-    tiles = _ceil_div(groups, tile)
-    qs = _pad_seq(qs, op.Sub(op.Mul(tiles, tile), groups), 3)  # (B, H, S, tiles·tile, d)
-    keys_at = op.Unsqueeze(op.Range(_i64(0), op.Squeeze(groups), _i64(1)), _i64(0))  # (1, M)
-    strided_ok = _row(strided_rows, 5)
-    no_causal = op.Not(_row(causal, 5))
-    band_limit = _row(band_window, 5)
+        body = _subgraph(one_tile, (_scalar("tile_index", ir.DataType.INT64), _scalar("tile_go_on", ir.DataType.BOOL)),
+                         (ir.DataType.BOOL, ir.DataType.FLOAT))
+        packed = _node("Loop", [op.Squeeze(tiles), op.Constant(value=ir.tensor(np.array(True)))], {"body": body})
+        # (tiles, B, H, S, tile, d + 2) -> (B, H, S, tiles, tile, d + 2) -> (B, H, S, M, d + 2)
+        packed = op.Transpose(packed, perm=[1, 2, 3, 0, 4, 5])
+        packed = op.Reshape(packed, op.Concat(lead, step, _i64(-1), op.Add(op.Shape(vs, start=4, end=5), _i64(2)), axis=0))
+        packed = op.Slice(packed, _i64(0), groups, _i64(3))
+        out2 = op.Slice(packed, _i64(0), _i64(-2), _i64(4))
+        top2 = op.Slice(packed, _i64(-2), _i64(-1), _i64(4))
+        sum2 = op.Slice(packed, _i64(-1), _i64(1 << 62), _i64(4))
 
-    def one_tile(index, condition):
-        """Queries [start, start + tile) of every sub-sequence against all of its keys: scores
-        (B, H, S, tile, M), a tile's softmax pieces packed as (out, max, sum) on the last axis."""
-        start = first_query(index, tile)
-        q_tile = op.Slice(qs, start, op.Add(start, tile), _i64(3))  # (B, H, S, tile, d)
-        queries_at = op.Unsqueeze(op.Add(op.Range(_i64(0), op.Squeeze(tile), _i64(1)), start), _i64(1))  # (tile, 1)
-        distance = op.Mul(op.Sub(queries_at, keys_at), step)  # (tile, M): i - j
-        allowed = op.And(op.And(op.And(strided_ok, op.Greater(op.Abs(distance), band_limit)),
-                                op.Or(no_causal, op.GreaterOrEqual(distance, _i64(0)))), key_ok)  # (B, 1, S, tile, M)
-        top, total, out = _partial_softmax(op.MatMul(q_tile, ks_t), allowed, vs)
-        return [op.Identity(condition), op.Concat(out, top, total, axis=-1)]
+        def strided_to_sequence(x):  # (B, H, S, M, n) -> (B, H, T, n)
+            flat = op.Reshape(op.Transpose(x, perm=[0, 1, 3, 2, 4]), op.Concat(lead, span, _i64(-1), axis=0))
+            return op.Slice(flat, _i64(0), length, _i64(2))
 
-    body = _subgraph(one_tile, (_scalar("tile_index", ir.DataType.INT64), _scalar("tile_go_on", ir.DataType.BOOL)),
-                     (ir.DataType.BOOL, ir.DataType.FLOAT))
-    packed = _node("Loop", [op.Squeeze(tiles), op.Constant(value=ir.tensor(np.array(True)))], {"body": body})
-    # (tiles, B, H, S, tile, d + 2) -> (B, H, S, tiles, tile, d + 2) -> (B, H, S, M, d + 2)
-    packed = op.Transpose(packed, perm=[1, 2, 3, 0, 4, 5])
-    packed = op.Reshape(packed, op.Concat(lead, step, _i64(-1), op.Add(op.Shape(vs, start=4, end=5), _i64(2)), axis=0))
-    packed = op.Slice(packed, _i64(0), groups, _i64(3))
-    out2 = op.Slice(packed, _i64(0), _i64(-2), _i64(4))
-    top2 = op.Slice(packed, _i64(-2), _i64(-1), _i64(4))
-    sum2 = op.Slice(packed, _i64(-1), _i64(1 << 62), _i64(4))
+        top2, sum2, out2 = strided_to_sequence(top2), strided_to_sequence(sum2), strided_to_sequence(out2)
 
-    def strided_to_sequence(x):  # (B, H, S, M, n) -> (B, H, T, n)
-        flat = op.Reshape(op.Transpose(x, perm=[0, 1, 3, 2, 4]), op.Concat(lead, span, _i64(-1), axis=0))
-        return op.Slice(flat, _i64(0), length, _i64(2))
+        # ---- one softmax over the union
+        top = op.Max(top1, top2)
+        w1, w2 = op.Exp(op.Sub(top1, top)), op.Exp(op.Sub(top2, top))
+        total = op.Add(op.Mul(w1, sum1), op.Mul(w2, sum2))  # (B, H, T, 1)
+        numerator = op.Add(op.Mul(w1, out1), op.Mul(w2, out2))
+        return op.Div(numerator, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))
 
-    top2, sum2, out2 = strided_to_sequence(top2), strided_to_sequence(sum2), strided_to_sequence(out2)
+    def band_only():
+        return _band(q, k, v, valid, block, band_allowed, normalized=True)
 
-    # ---- one softmax over the union
-    top = op.Max(top1, top2)
-    w1, w2 = op.Exp(op.Sub(top1, top)), op.Exp(op.Sub(top2, top))
-    total = op.Add(op.Mul(w1, sum1), op.Mul(w2, sum2))  # (B, H, T, 1)
-    numerator = op.Add(op.Mul(w1, out1), op.Mul(w2, out2))
-    return op.Div(numerator, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))
+    any_strided = op.Cast(op.ReduceMax(op.Cast(strided_rows, to=ir.DataType.INT64), keepdims=0), to=ir.DataType.BOOL)
+    return _node("If", [any_strided], {"then_branch": _subgraph(lambda: [strided_and_merged()], (), FLOAT),
+                                        "else_branch": _subgraph(lambda: [band_only()], (), FLOAT)})
 
 
 def _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask_window, mask_step,
@@ -286,7 +351,6 @@ def _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask
     layer's window per row: bidirectional and causal rows see |i − j| <= limit (causal: j <= i too);
     sliding_window rows min(window, limit); dilated rows the keys at multiples of the step within
     the limit; local_strided rows the union of the two."""
-    lead = op.Shape(q, start=0, end=2)  # [B, H]
     length = op.Shape(q, start=2, end=3)  # [T]
     q = op.Mul(q, _f32(scale))
     kind = mask_kind
@@ -309,35 +373,18 @@ def _local_layer_attention(q, k, v, attention_mask, mask_kind, mask_causal, mask
     valid = op.Cast(attention_mask, to=ir.DataType.INT64)  # (B, T) 0/1
 
     block = op.Min(_i64(max(limit, MIN_BLOCK)), op.Max(length, _i64(1)))
-    blocks = _ceil_div(length, block)  # NB
-    padded = op.Mul(blocks, block)
-    tail = op.Sub(padded, length)
-    qb = op.Reshape(_pad_seq(q, tail, 2), op.Concat(lead, blocks, block, _i64(-1), axis=0))  # (B, H, NB, K, d)
+    window_of_row, lattice_of_row, step_of_row = _row(band_window, 5), _row(lattice_rows, 5), _row(step, 5)
+    causal_of_row = op.Not(_row(causal, 5))
 
-    def windows(x, axis: int, shape):
-        framed = op.Reshape(_pad_seq(x, op.Add(tail, block), axis, before=block), shape)  # NB + 2 blocks
-        parts = [op.Slice(framed, _i64(s), op.Add(blocks, _i64(s)), _i64(axis)) for s in (0, 1, 2)]
-        return op.Concat(*parts, axis=axis + 1)
+    def local_allowed(distance, key_ok):  # (B, 1, G, K, 3K)
+        apart = op.Abs(distance)
+        in_band = op.LessOrEqual(apart, window_of_row)
+        on_lattice = op.And(op.And(lattice_of_row, op.LessOrEqual(apart, _i64(limit))),
+                            op.Equal(op.Mod(apart, step_of_row), _i64(0)))
+        forward_ok = op.Or(causal_of_row, op.GreaterOrEqual(distance, _i64(0)))
+        return op.And(op.And(op.Or(in_band, on_lattice), forward_ok), key_ok)
 
-    kv_shape = op.Concat(lead, op.Add(blocks, _i64(2)), block, _i64(-1), axis=0)
-    kb = windows(k, 2, kv_shape)  # (B, H, NB, 3K, d)
-    vb = windows(v, 2, kv_shape)
-    key_ok = windows(valid, 1, op.Concat(op.Shape(q, start=0, end=1), op.Add(blocks, _i64(2)), block, axis=0))
-    key_ok = op.Unsqueeze(op.Cast(key_ok, to=ir.DataType.BOOL), _i64(1, 3))  # (B, 1, NB, 1, 3K)
-    a = op.Range(_i64(0), op.Squeeze(block), _i64(1))
-    c = op.Range(_i64(0), op.Squeeze(op.Mul(block, _i64(3))), _i64(1))
-    distance = op.Sub(op.Add(op.Unsqueeze(a, _i64(1)), block), op.Unsqueeze(c, _i64(0)))  # (K, 3K): i - j
-    apart = op.Abs(distance)
-    in_band = op.LessOrEqual(apart, _row(band_window, 5))  # (B, 1, 1, K, 3K)
-    on_lattice = op.And(op.And(_row(lattice_rows, 5), op.LessOrEqual(apart, _i64(limit))),
-                        op.Equal(op.Mod(apart, _row(step, 5)), _i64(0)))
-    forward_ok = op.Or(op.Not(_row(causal, 5)), op.GreaterOrEqual(distance, _i64(0)))
-    allowed = op.And(op.And(op.Or(in_band, on_lattice), forward_ok), key_ok)  # (B, 1, NB, K, 3K)
-    scores = op.MatMul(qb, op.Transpose(kb, perm=[0, 1, 2, 4, 3]))  # (B, H, NB, K, 3K)
-    _, total, out = _partial_softmax(scores, allowed, vb)
-    out = op.Div(out, op.Where(op.Greater(total, _f32(0.0)), total, _f32(1.0)))
-    flat = op.Reshape(out, op.Concat(lead, padded, _i64(-1), axis=0))
-    return op.Slice(flat, _i64(0), length, _i64(2))  # (B, H, T, d)
+    return _band(q, k, v, valid, block, local_allowed, normalized=True)  # (B, H, T, d)
 
 
 def linear_attention(fq, fk, v, attention_mask, mask_kind):

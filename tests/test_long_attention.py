@@ -241,3 +241,47 @@ def test_a_plan_costs_its_mean_layer_and_needs_the_memory_of_its_largest(tiny_co
     # QUERY_TILE·T queries (export/long_graphs.py): never T x T
     assert score_elements(SPARSE, 8192, row, plan, peak=True) == 8192 * 3 * 64
     assert score_elements(SPARSE, 8192, RowMask(MaskKind.SLIDING_WINDOW, 16), plan, peak=True) < 8192 * 3 * 64 * 2
+
+
+# --- the band in groups of blocks (export/long_graphs.py `_band`): a Loop over groups of G blocks, G sized so
+# a group's scores stay in L2 (BAND_GROUP_BYTES). At the export's validation lengths a tiny model's band is
+# one group; with BAND_GROUP_BYTES = 1 every block is its own group, so every group boundary is crossed.
+
+@pytest.fixture(scope="module")
+def one_block_groups(tmp_path_factory, tiny_config):
+    import export.long_graphs as long_graphs
+
+    config = tiny_config.replace(name="one-block-groups", n_layers=2, local_layers=(1,), local_window=8)
+    saved, long_graphs.BAND_GROUP_BYTES = long_graphs.BAND_GROUP_BYTES, 1
+    try:
+        file = tmp_path_factory.mktemp("groups") / "sparse.onnx"
+        export_onnx(build_encoder(config), ExportContract(config, path=SPARSE), file)
+    finally:
+        long_graphs.BAND_GROUP_BYTES = saved
+    return LongGraph(config, SPARSE, file)
+
+
+@pytest.mark.parametrize("spec", [MaskSpec(MaskKind.SLIDING_WINDOW, window=5, causal=True),
+                                  MaskSpec(MaskKind.LOCAL_STRIDED, window=5, step=7),
+                                  MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL)],
+                         ids=lambda s: s.label())
+def test_band_groups_of_one_block_each_equal_dense_pytorch(one_block_groups, spec):
+    """A plan (a global and a local layer): the local layer's band and, for the window and strided rows, the
+    global layer's band run as one Loop iteration per block, in a padded batch."""
+    one_block_groups.check(make_feeds(one_block_groups.config, [129, 40, 1], spec, seed=11))
+
+
+def test_a_wrong_band_group_boundary_fails_the_exports_validation(monkeypatch, tmp_path, tiny_config):
+    """Groups after the first start one block early (each re-computes its predecessor's last block and
+    loses its own last one): the export's validation against dense PyTorch refuses the graph."""
+    from onnxscript import opset18 as op
+
+    import export.long_graphs as long_graphs
+    from export.exporter import export_model
+    from export.validate import ToleranceExceeded
+
+    monkeypatch.setattr(long_graphs, "BAND_GROUP_BYTES", 1)
+    monkeypatch.setattr(long_graphs, "first_block",
+                        lambda index, group: op.Sub(op.Mul(index, group), op.Min(index, long_graphs._i64(1))))
+    with pytest.raises(ToleranceExceeded):
+        export_model(tiny_config.replace(name="broken-groups"), tmp_path, graphs=("long",))
