@@ -52,7 +52,7 @@ def _checkpoint(directory: str) -> str:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from model.hf_bert import minilm_path
+    from model.hf_pretrained import minilm_path
 
     torch.manual_seed(0)
     BertForSequenceClassification(BertConfig(**SHAPE)).eval().save_pretrained(directory)

@@ -84,7 +84,7 @@ def _plan(args: argparse.Namespace) -> list[dict]:
     if args.encoder_only and args.head:
         raise ConfigError("--encoder-only drops the task head; --head loads one: pass one of them")
     if args.minilm or args.from_pretrained:
-        from model.hf_bert import load_pretrained, minilm_path
+        from model.hf_pretrained import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else args.from_pretrained
         pretrained = load_pretrained(directory, drop_head=args.encoder_only, head=args.head)

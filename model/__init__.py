@@ -12,7 +12,9 @@ The torch-free contract, read by serve/ (which never imports torch) and export/:
 The torch reference modules (import them directly): model.encoder (embeddings, rotary positions,
 layers, stack), model.attention (the attention layer and its paths), model.attention_math (the masked
 arithmetic it shares with model.long_attention, the long-input custom ops), model.masks, model.pooling,
-model.heads (task heads: classification, SPLADE), model.checkpoint (strict loading), model.hf_bert
-(Hugging Face BERT / RoBERTa / XLM-RoBERTa / ModernBERT directories) and model.hf_heads (their task heads).
+model.heads (task heads: classification, SPLADE), model.checkpoint (strict loading), model.hf_pretrained
+(Hugging Face directories: the shared loader and its registry of families, one module each: model.hf_bert,
+model.hf_roberta (+ XLM-RoBERTa), model.hf_modernbert, described by model.hf_family) and model.hf_heads
+(their task heads).
 
 Imports point one way, torch half -> contract half, with no circle (tests/test_model_halves.py)."""

@@ -1,5 +1,5 @@
 """Our own checkpoints: weights saved from `Encoder.state_dict()`, and the strict loading every
-checkpoint goes through (Hugging Face BERT directories too: model/hf_bert.py).
+checkpoint goes through (Hugging Face directories too: model/hf_pretrained.py).
 
   save_state_dict_file(encoder, path)  a .safetensors (config in its metadata) or .pt file
   load_state_dict_file(path, config)   the eval-mode encoder back from such a file

@@ -1,5 +1,5 @@
 """Hugging Face task heads (model/heads.py), per family, as data: which checkpoint tensors make each head,
-which config.json keys set it up, and the sentence-transformers files that declare one. model/hf_bert.py
+which config.json keys set it up, and the sentence-transformers files that declare one. model/hf_pretrained.py
 loads the encoder and calls in here for the head.
 
   classification  a *ForSequenceClassification checkpoint (a cross-encoder, a classifier; sentence-transformers'
@@ -49,7 +49,7 @@ _SUFFIXES = {"weight": "weight", "bias": "bias", "gamma": "weight", "beta": "bia
 HF_HEAD_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu", "tanh": "tanh"}
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
-# sentence-transformers modules of the heads (by class name; old and new homes alike, see hf_bert._module_kind).
+# sentence-transformers modules of the heads (by class name; old and new homes alike, see hf_pretrained._module_kind).
 ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
 # SpladePooling settings we compute; any other is refused naming it.
 SPLADE_SETTINGS: Mapping[str, str] = {"pooling_strategy": "max", "activation_function": "relu"}

@@ -1,4 +1,4 @@
-"""Loading checkpoints into the reference encoder (model/checkpoint.py, model/hf_bert.py).
+"""Loading checkpoints into the reference encoder (model/checkpoint.py, model/hf_pretrained.py and its families).
 
 The packaged all-MiniLM-L6-v2 is checked against transformers.BertModel (hidden states) and
 sentence-transformers (pooled, normalised embeddings); those two are test-only references.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model.checkpoint import CheckpointError, load_state_dict_file, save_state_dict_file
-from model.hf_bert import encoder_config_from_hf, load_pretrained, minilm_path, tokenize
+from model.hf_pretrained import encoder_config_from_hf, load_pretrained, minilm_path, tokenize
 from model.config import EncoderConfig
 from model.encoder import build_encoder
 from model.masks import default_mask_inputs

@@ -210,7 +210,7 @@ def modernbert_on_cuda(tmp_path_factory):
     from transformers import ModernBertConfig, ModernBertModel
 
     from export.cli import main as export_main
-    from model.hf_bert import load_pretrained
+    from model.hf_pretrained import load_pretrained
     from tests.hf_references import redraw
     from tests.test_tiled_attention import WIDE
 

@@ -111,7 +111,7 @@ def _exports_written(tmp_path: Path, args: Sequence[str] = ()) -> list[argparse.
 def _export_name(args: argparse.Namespace) -> str:
     """The folder an export run writes under --out-dir: --name, else its config's own name."""
     from model.config import EncoderConfig
-    from model.hf_bert import MINILM_NAME
+    from model.hf_pretrained import MINILM_NAME
 
     return args.name or (MINILM_NAME if args.minilm else EncoderConfig().name)
 

@@ -32,7 +32,7 @@ from model.checkpoint import CheckpointError, fit_encoder
 from model.config import ConfigError, EncoderConfig, from_dict, to_dict
 from model.encoder import build_encoder
 from model.export_format import Metadata, metadata_from_dict, read_metadata
-from model.hf_bert import load_pretrained, minilm_path
+from model.hf_pretrained import load_pretrained, minilm_path
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
 from model.tasks import TaskError, score_activation, task_for

@@ -21,7 +21,7 @@ import torch
 
 from export.cli import main as export_main
 from model.checkpoint import CheckpointError, fit_encoder
-from model.hf_bert import encoder_config_from_hf, load_pretrained, tokenize
+from model.hf_pretrained import encoder_config_from_hf, load_pretrained, tokenize
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
 from model.pooling import l2_normalize

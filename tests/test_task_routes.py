@@ -35,7 +35,7 @@ TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention
 
 
 def _tokenizer_files(directory):
-    from model.hf_bert import minilm_path
+    from model.hf_pretrained import minilm_path
 
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         if (minilm_path() / name).is_file():

@@ -42,7 +42,7 @@ TEXTS = [
 def text_export_dir(tmp_path_factory):
     """The packaged MiniLM exported once (as `python -m export --minilm` does), with its tokenizer."""
     from export.exporter import export_model
-    from model.hf_bert import load_pretrained, minilm_path
+    from model.hf_pretrained import load_pretrained, minilm_path
 
     pretrained = load_pretrained(minilm_path())
     result = export_model(
@@ -68,7 +68,7 @@ def client(text_server):
 def sentence_model():
     from sentence_transformers import SentenceTransformer
 
-    from model.hf_bert import minilm_path
+    from model.hf_pretrained import minilm_path
 
     return SentenceTransformer(str(minilm_path()), device="cpu")
 
@@ -78,7 +78,7 @@ def bert():
     """(tokenizer, BertModel) from transformers on the packaged files: the hidden-state reference."""
     from transformers import AutoTokenizer, BertModel
 
-    from model.hf_bert import minilm_path
+    from model.hf_pretrained import minilm_path
 
     path = str(minilm_path())
     return AutoTokenizer.from_pretrained(path), BertModel.from_pretrained(path).eval()

@@ -24,7 +24,7 @@ from export.exporter import export_model
 from export.validate import ToleranceExceeded, reference_outputs
 from model.attention_paths import QUERY_TILE
 from model.config import EncoderConfig
-from model.hf_bert import load_pretrained
+from model.hf_pretrained import load_pretrained
 from model.mask_kinds import MaskKind
 from tests.conftest import TINY
 from tests.hf_references import MODERNBERT, redraw

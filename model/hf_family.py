@@ -1,0 +1,96 @@
+"""One Hugging Face checkpoint family as data: `Family`, what the shared strict loader
+(model/hf_pretrained.py) needs to know of it. Each family is one module exporting `FAMILY`
+(model/hf_bert.py, model/hf_roberta.py, model/hf_modernbert.py); the registry, the one tuple of them,
+is hf_pretrained.FAMILIES. Adding a family is one new module and one entry there.
+
+Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
+`require`, `encoder_config`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from model.checkpoint import CheckpointError
+from model.config import ConfigError, EncoderConfig
+
+# (our name, tensor, checkpoint name as shown) for one checkpoint tensor; a fused tensor gives several.
+Mapped = list[tuple[str, torch.Tensor, str]]
+
+# Our per-layer state-dict names: layers.{i}.{module}.{weight|bias}.
+OUR_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A checkpoint family: the config.json model_types it takes and how its checkpoints map to our encoder."""
+
+    model_types: tuple[str, ...]  # config.json model_type values, e.g. ("roberta", "xlm-roberta")
+    prefix: str  # what task models (...ForMaskedLM) put before the encoder's names: "bert.", "model."
+    # config.json -> EncoderConfig (hf, name, metadata.json's source); a CheckpointError naming what it cannot compute
+    config: Callable[[Mapping[str, Any], str, Mapping[str, Any]], EncoderConfig]
+    # checkpoint name (prefix stripped), tensor -> [(our name, tensor, name as shown)]; [] when it has no counterpart
+    to_encoder: Callable[[str, torch.Tensor], Mapped]
+    # our name -> the checkpoint's (for messages about tensors a checkpoint lacks), None when unknown
+    name_in_checkpoint: Callable[[str], str | None]
+    # checkpoint tensors knowingly not used (prefix stripped): buffers, pretraining heads
+    ignored_names: tuple[str, ...] = ()
+    ignored_prefixes: tuple[str, ...] = ()
+
+    @staticmethod
+    def source_format(model_type: str) -> str:
+        """metadata.json's source.format: "hf-bert", "hf-roberta", "hf-xlm-roberta", "hf-modernbert"."""
+        return f"hf-{model_type}"
+
+
+def checkpoint_name(name: str, names: Mapping[str, str], layer_modules: Mapping[str, str],
+                    layer_name: str) -> str | None:
+    """The checkpoint's name of one of our tensors by a family's tables (for messages about tensors a checkpoint
+    lacks): `names` maps whole names (theirs -> ours), `layer_modules` per-layer modules, and `layer_name`
+    formats a layer's ({index}, {module}, {suffix}) the checkpoint's way; None when the tables lack it."""
+    for theirs, ours in names.items():
+        if ours == name:
+            return theirs
+    match = OUR_LAYER_NAME.match(name)
+    if match:
+        index, module, suffix = match.groups()
+        for theirs, ours in layer_modules.items():
+            if ours == module:
+                return layer_name.format(index=index, module=theirs, suffix=suffix)
+    return None
+
+
+def require(hf: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuses a config.json without all of `keys`, naming those it lacks."""
+    absent = [k for k in keys if k not in hf]
+    if absent:
+        raise CheckpointError(f"config.json lacks {', '.join(absent)}")
+
+
+def encoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], **fields: Any) -> EncoderConfig:
+    """EncoderConfig of a token encoder from config.json's sizes (hidden_size, num_attention_heads,
+    num_hidden_layers, intermediate_size, vocab_size, pad_token_id) and the family's `fields`; its
+    ConfigError as a CheckpointError about config.json."""
+    pad = hf.get("pad_token_id")
+    try:
+        return EncoderConfig(
+            name=name,
+            d_model=int(hf["hidden_size"]),
+            n_heads=int(hf["num_attention_heads"]),
+            n_layers=int(hf["num_hidden_layers"]),
+            d_ff=int(hf["intermediate_size"]),
+            input_kind="tokens",
+            vocab_size=int(hf["vocab_size"]),
+            embedding_layer_norm=True,
+            pad_token_id=int(pad) if pad is not None else 0,
+            scaling="sqrt_dk",  # softmax(QKᵀ / sqrt(head_dim))
+            attention="softmax",
+            source=dict(source),
+            **fields,
+        )
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json does not describe a valid encoder: {exc}") from exc

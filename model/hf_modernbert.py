@@ -1,0 +1,142 @@
+"""The ModernBERT family (transformers' ModernBertModel; 4.48+ and 5 config layouts): its checkpoint ⇄
+encoder names, config.json → EncoderConfig.
+
+  modernbert  pre-norm (layer 0 without its attention norm), rotary positions (θ per layer kind), GeGLU,
+              no biases, fused Wqkv (split into q/k/v here), and the attention plan from layer_types /
+              global_attn_every_n_layers: sliding layers are local with window local_attention // 2
+              (|i − j| <= 64 for ModernBERT's 128)
+
+Loaded by the shared strict loader (model/hf_pretrained.py) through `FAMILY`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from model.checkpoint import CheckpointError
+from model.config import EncoderConfig
+from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require
+
+MODERNBERT_TYPE = "modernbert"
+# Task models (ModernBertForMaskedLM, ...) prefix the encoder's names with this.
+MODERNBERT_PREFIX = "model."
+# ModernBERT (transformers' ModernBertModel) name -> ours. Wqkv is fused: its rows are q, k, v in this
+# order ((3·D, D), split in three). Layer 0 has no attn_norm (ours: attention_norm is the identity).
+MODERNBERT_NAMES: Mapping[str, str] = {
+    "embeddings.tok_embeddings.weight": "embeddings.tokens.weight",
+    "embeddings.norm.weight": "embeddings.norm.weight",
+    "embeddings.norm.bias": "embeddings.norm.bias",
+    "final_norm.weight": "final_norm.weight",
+    "final_norm.bias": "final_norm.bias",
+}
+MODERNBERT_LAYER_MODULES: Mapping[str, str] = {
+    "attn_norm": "attention_norm",
+    "attn.Wo": "attention.out_proj",
+    "mlp_norm": "ffn_norm",
+    "mlp.Wi": "ffn.up",  # (2·d_ff, D): GeGLU's input half then its gate half, as ours
+    "mlp.Wo": "ffn.down",
+}
+MODERNBERT_FUSED = "attn.Wqkv"
+MODERNBERT_SPLIT = ("attention.q_proj", "attention.k_proj", "attention.v_proj")
+MODERNBERT_IGNORED_PREFIXES = ("head.", "decoder.", "classifier.", "drop.")
+# transformers' ModernBERT activations we compute exactly ("gelu" is the erf GELU).
+MODERNBERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
+
+
+def modernbert_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
+    """[(our name, tensor, checkpoint name as shown)] for a ModernBertModel tensor; [] when none.
+    The fused Wqkv gives three (its row blocks q, k, v)."""
+    if name in MODERNBERT_NAMES:
+        return [(MODERNBERT_NAMES[name], tensor, name)]
+    match = OUR_LAYER_NAME.match(name)  # ModernBERT's layers are named as ours: layers.{i}.{module}.{suffix}
+    if not match:
+        return []
+    index, module, suffix = match.groups()
+    if module in MODERNBERT_LAYER_MODULES:
+        return [(f"layers.{index}.{MODERNBERT_LAYER_MODULES[module]}.{suffix}", tensor, name)]
+    if module == MODERNBERT_FUSED and tensor.shape[0] % 3 == 0:
+        rows = tensor.shape[0] // 3
+        return [(f"layers.{index}.{ours}.{suffix}", part, f"{name}[{i * rows}:{(i + 1) * rows}]")
+                for i, (ours, part) in enumerate(zip(MODERNBERT_SPLIT, tensor.split(rows, dim=0)))]
+    return []
+
+
+def encoder_to_modernbert_name(name: str) -> str | None:
+    """The ModernBERT name of one of our tensors (for messages about tensors a checkpoint lacks)."""
+    match = OUR_LAYER_NAME.match(name)
+    if match and match.group(2) in MODERNBERT_SPLIT:
+        index, module, suffix = match.groups()
+        return f"layers.{index}.{MODERNBERT_FUSED}.{suffix} ({module.split('.')[-1][0]} rows)"
+    return checkpoint_name(name, MODERNBERT_NAMES, MODERNBERT_LAYER_MODULES, "layers.{index}.{module}.{suffix}")
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+
+
+def _modernbert_thetas(hf: Mapping[str, Any]) -> tuple[float, float]:
+    """(global θ, local θ): transformers 5's rope_parameters, or the older global/local_rope_theta."""
+    params = hf.get("rope_parameters") or {}
+    thetas = []
+    for kind, old, default in (("full_attention", "global_rope_theta", 160_000.0),
+                               ("sliding_attention", "local_rope_theta", 10_000.0)):
+        entry = params.get(kind) or {}
+        rope_type = entry.get("rope_type", "default")
+        if rope_type != "default" or hf.get("rope_scaling"):
+            raise CheckpointError(f"rope_type {rope_type!r} / rope_scaling for {kind} is not supported; "
+                                  "expected plain rotary positions ('default')")
+        thetas.append(float(entry.get("rope_theta", hf.get(old, default))))
+    return thetas[0], thetas[1]
+
+
+def modernbert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
+    """EncoderConfig for a ModernBERT config.json (transformers 4.48+ or 5 layout)."""
+    act = hf.get("hidden_activation", "gelu")
+    if act not in MODERNBERT_ACTIVATIONS:
+        raise CheckpointError(f"hidden_activation {act!r} is not supported; expected one of "
+                              f"{', '.join(MODERNBERT_ACTIVATIONS)} (the tanh GELU is not the exact GELU)")
+    require(hf, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise CheckpointError(f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads is not supported")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise CheckpointError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported "
+                              "(one bias switch for every linear)")
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        every = int(hf.get("global_attn_every_n_layers", 3))
+        layer_types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    global_theta, local_theta = _modernbert_thetas(hf)
+    return encoder_config(
+        hf, name, source,
+        max_positions=int(hf.get("max_position_embeddings", 8192)),
+        type_vocab_size=0,
+        layer_norm_eps=float(hf.get("norm_eps", 1e-5)),
+        norm_placement="pre",
+        positional="rotary",
+        rope_theta=global_theta,
+        rope_theta_local=local_theta,
+        activation=MODERNBERT_ACTIVATIONS[act],
+        ffn="gated",
+        linear_bias=attention_bias,
+        norm_bias=bool(hf.get("norm_bias", False)),
+        first_attention_norm=False,
+        local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        local_window=int(hf.get("local_attention", 128)) // 2,
+    )
+
+
+FAMILY = Family(
+    model_types=(MODERNBERT_TYPE,),
+    prefix=MODERNBERT_PREFIX,
+    config=modernbert_config,
+    to_encoder=modernbert_to_encoder,
+    name_in_checkpoint=encoder_to_modernbert_name,
+    ignored_prefixes=MODERNBERT_IGNORED_PREFIXES,
+)
