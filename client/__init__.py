@@ -29,7 +29,7 @@ from serve.protocols.pb import admin_pb, admin_pb_grpc, pb, pb_grpc
 from serve.protocols.tensors import from_numpy, to_numpy
 
 _POOLING = {None: pb.POOLING_DEFAULT, "default": pb.POOLING_DEFAULT, "none": pb.POOLING_NONE,
-            "mean": pb.POOLING_MEAN, "first": pb.POOLING_FIRST}
+            "mean": pb.POOLING_MEAN, "first": pb.POOLING_FIRST, "last": pb.POOLING_LAST}
 SERVICE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 RETRYABLE = ("UNAVAILABLE",)  # not RESOURCE_EXHAUSTED: it also means "too large", which a retry cannot fix
 MAX_ATTEMPTS = 5  # gRPC clamps retryPolicy.maxAttempts to 5
@@ -69,13 +69,16 @@ class EncodeOutput:
 
 
 def build_request(
-    sequences: Sequence, *, mask: str | MaskKind = "bidirectional", causal: bool = False, window: int = 0,
+    sequences: Sequence, *, mask: str | MaskKind | None = None, causal: bool = False, window: int = 0,
     step: int = 0, custom: np.ndarray | None = None, hidden_states: bool = False, pooling: str | None = None,
     normalize: bool | None = None, request_id: str = "", texts: Sequence[str] = (), truncate: bool = False,
-    chunk: bool = False,
+    chunk: bool = False, prompt_name: str | None = None,
 ) -> "pb.EncodeRequest":
-    """An EncodeRequest of token-id / feature `sequences`, or of `texts` (send one of the two)."""
-    kind = mask if isinstance(mask, MaskKind) else MaskKind.parse(mask)
+    """An EncodeRequest of token-id / feature `sequences`, or of `texts` (send one of the two). `mask` None
+    (and no causal / window / step / custom): no mask is sent, so the model's natural mask applies."""
+    kind = mask if isinstance(mask, MaskKind) or mask is None else MaskKind.parse(mask)
+    if kind is None and (causal or window or step or custom is not None):
+        kind = MaskKind.BIDIRECTIONAL
     tensors = []
     for seq in sequences:
         array = np.asarray(seq)
@@ -86,13 +89,15 @@ def build_request(
         tensors.append(from_numpy(array))
     msg = pb.EncodeRequest(
         request_id=request_id, sequences=tensors, texts=list(texts), truncate=truncate, chunk=chunk,
-        mask=pb.Mask(kind=int(kind), causal=causal, window=window, step=step),
+        mask=pb.Mask(kind=int(kind), causal=causal, window=window, step=step) if kind is not None else None,
         output=pb.OutputOptions(hidden_states=hidden_states, pooling=_POOLING[pooling]),
     )
     if custom is not None:
         msg.mask.custom.CopyFrom(from_numpy(np.asarray(custom, bool)))
     if normalize is not None:
         msg.output.normalize = normalize
+    if prompt_name is not None:  # one of the model's prompts (GetModelInfo prompts), put before each text
+        msg.prompt_name = prompt_name
     return msg
 
 
@@ -218,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     enc = sub.add_parser("encode", help="encode token ids and print a summary")
     enc.add_argument("--ids", action="append", required=True, help="comma-separated token ids; repeat per sequence")
-    enc.add_argument("--mask", default="bidirectional", help=", ".join(k.label for k in MaskKind))
+    enc.add_argument("--mask", default=None, help=", ".join(k.label for k in MaskKind) + " (default: the model's own)")
     enc.add_argument("--causal", action="store_true")
     enc.add_argument("--window", type=int, default=0)
     enc.add_argument("--step", type=int, default=0)
-    enc.add_argument("--pooling", choices=["default", "none", "mean", "first"], default="default")
+    enc.add_argument("--pooling", choices=["default", "none", "mean", "first", "last"], default="default")
     enc.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
     enc.add_argument("--hidden", action="store_true", help="also return per-token hidden states")
     sub.add_parser("info", help="print the served model")

@@ -22,6 +22,7 @@ from model.attention_math import kernel_attention, masked_softmax, scaled_dot_pr
 from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
+from model.norms import make_norm
 
 
 class MaskInputs(NamedTuple):
@@ -80,13 +81,16 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.config = config
         d, h = config.d_model, config.n_heads
-        self.n_heads, self.head_dim = h, config.head_dim
+        self.n_heads, self.head_dim, self.kv_heads = h, config.head_dim, config.kv_heads
         self.window = window  # a local layer of the attention plan: keys at |i - j| <= window only
-        bias = config.linear_bias
-        self.q_proj = nn.Linear(d, d, bias=bias)
-        self.k_proj = nn.Linear(d, d, bias=bias)
-        self.v_proj = nn.Linear(d, d, bias=bias)
-        self.out_proj = nn.Linear(d, d, bias=bias)
+        inner, kv_inner, qkv_bias = h * self.head_dim, self.kv_heads * self.head_dim, config.has_qkv_bias
+        self.q_proj = nn.Linear(d, inner, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_inner, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_inner, bias=qkv_bias)
+        self.out_proj = nn.Linear(inner, d, bias=config.linear_bias)
+        # Qwen3 / Gemma3: each head's q and k normalised over head_dim (one weight shared by the heads)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         # The paths are chosen once, here, not per call.
         self.kind = config.attention
         if path not in (DENSE, long_path(config)):
@@ -103,9 +107,9 @@ class MultiHeadAttention(nn.Module):
             omega = torch.randn(h, self.head_dim, config.performer_features, generator=generator)
             self.register_buffer("omega", omega, persistent=False)
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
+    def _split(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
+        return x.view(b, t, heads or self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
 
     def _scale(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor):
         cfg = self.config
@@ -129,10 +133,15 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, masks: MaskInputs, rotary: tuple | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q = self._split(self.q_proj(x))
-        k = self._split(self.k_proj(x))
-        v = self._split(self.v_proj(x))
+        k = self._split(self.k_proj(x), self.kv_heads)
+        v = self._split(self.v_proj(x), self.kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = rotate(q, rotary), rotate(k, rotary)
+        if self.kv_heads != self.n_heads:  # grouped-query attention: query head i reads key/value head i // group
+            group = self.n_heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if self.path == SPARSE:
             q, k, scale = self._scale(q, k, masks.attention_mask)
             if isinstance(scale, torch.Tensor):  # per row: fold it into q, the op takes a constant
@@ -159,7 +168,7 @@ class MultiHeadAttention(nn.Module):
             else:  # linear, performer: the masked (quadratic) form serves every mask kind
                 fq, fk = self._features(q, k, masks.attention_mask)
                 y = kernel_attention(fq, fk, v, keep)
-        y = y.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, heads·head_dim)
         return self.out_proj(y)
 
 

@@ -15,17 +15,25 @@ from typing import Any, Mapping
 # Every variant switch and the values it accepts. `python -m export --variant` and the
 # error messages read these tuples; nothing else spells the choices out.
 SCALINGS = ("sqrt_dk", "temperature", "cosine", "length")
-NORM_PLACEMENTS = ("post", "pre")
+# post: x = N(x + f(x)); pre: x = x + f(N(x)); sandwich (Gemma 2/3): x = x + N_after(f(N_before(x))).
+NORM_PLACEMENTS = ("post", "pre", "sandwich")
+# The normalisation of every norm in the stack: LayerNorm; RMSNorm w·x/rms(x) (Qwen, Llama); Gemma's RMSNorm
+# (1 + w)·x/rms(x), its weight stored as the offset from 1.
+NORMS = ("layer", "rms", "rms_gemma")
 POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
 # How learned positions are numbered: 0, 1, 2, ... (BERT), or RoBERTa's: real tokens count from
 # pad_token_id + 1 (cumulative count of non-padding ids), padding tokens get pad_token_id.
 POSITION_IDS = ("range", "after_padding")
-ACTIVATIONS = ("relu", "gelu")
+# "gelu" is the exact (erf) GELU; "gelu_tanh" its tanh approximation (Gemma's gelu_pytorch_tanh); "silu"
+# x·sigmoid(x) (SwiGLU with ffn="gated": Qwen, Llama).
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 # Feed-forward: act(x·W1)·W2 ("standard"), or gated (GLU: act(x·W_in)·(x·W_gate), then W2; GeGLU
 # with activation="gelu", as ModernBERT: one up projection of 2·d_ff, its first half the input).
 FFN_KINDS = ("standard", "gated")
 ATTENTION_KINDS = ("softmax", "additive", "linear", "performer")
 INPUT_KINDS = ("tokens", "features")
+# The mask a request gets when it names none: bidirectional (encoders), causal (decoder embedders: Qwen2/3).
+NATURAL_MASKS = ("bidirectional", "causal")
 # Task heads on the encoder (model/heads.py): none (embeddings only), a sequence classifier (cross-encoders,
 # classifiers: logits [B, num_labels]) or SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))).
 HEADS = ("none", "classification", "sparse")
@@ -75,6 +83,18 @@ class EncoderConfig:
     # Bias-free projections (ModernBERT: no bias in any linear nor in any LayerNorm).
     linear_bias: bool = True
     norm_bias: bool = True
+    # Bias on the q/k/v projections: None = as linear_bias (Qwen2: q/k/v biased, nothing else).
+    qkv_bias: bool | None = None
+    norm: str = "layer"  # NORMS: every norm of the stack (embeddings, layers, final, q/k, the head's)
+    # Attention widths: head_dim (0: d_model // n_heads; Qwen3-0.6B: 128 with d_model 1024 and 16 heads)
+    # and grouped-query attention's key/value heads (0: n_heads; each serves n_heads // n_kv_heads queries).
+    attention_head_dim: int = 0
+    n_kv_heads: int = 0
+    # A norm (`norm`, over head_dim) on each head's q and k before rotary positions (Qwen3, Gemma3).
+    qk_norm: bool = False
+    # The token embeddings are multiplied by this (Gemma: sqrt(d_model)).
+    embedding_scale: float = 1.0
+    natural_mask: str = "bidirectional"  # NATURAL_MASKS
     # Pre-norm stacks whose first layer takes the (normalised) embeddings without its own attention
     # norm (ModernBERT: layer 0's attn_norm is the identity).
     first_attention_norm: bool = True
@@ -114,6 +134,8 @@ class EncoderConfig:
             ("input_kind", INPUT_KINDS),
             ("ffn", FFN_KINDS),
             ("position_ids", POSITION_IDS),
+            ("norm", NORMS),
+            ("natural_mask", NATURAL_MASKS),
             ("head", HEADS),
             ("head_pooling", HEAD_POOLINGS),
             ("head_activation", HEAD_ACTIVATIONS),
@@ -124,10 +146,18 @@ class EncoderConfig:
         for name in ("d_model", "n_heads", "n_layers", "d_ff", "max_positions", "performer_features", "num_labels"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and not self.attention_head_dim:
             raise ConfigError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}"
             )
+        if self.attention_head_dim < 0 or self.n_kv_heads < 0:
+            raise ConfigError("attention_head_dim and n_kv_heads must be >= 0 (0: the default)")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        if (self.kv_heads != self.n_heads or self.qk_norm) and self.attention not in ("softmax",):
+            raise ConfigError("n_kv_heads and qk_norm need attention='softmax'")
+        if self.embedding_scale <= 0:
+            raise ConfigError(f"embedding_scale must be > 0, got {self.embedding_scale}")
         if self.input_kind == "tokens" and self.vocab_size < 1:
             raise ConfigError("vocab_size must be >= 1 for input_kind='tokens'")
         if self.input_kind == "features" and self.type_vocab_size:
@@ -161,7 +191,16 @@ class EncoderConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention), n_heads without it."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.linear_bias if self.qkv_bias is None else bool(self.qkv_bias)
 
     @property
     def position_limit(self) -> int | None:
@@ -202,7 +241,10 @@ def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
     coerced: dict[str, Any] = {}
     for key, value in data.items():
         default = known[key].default
-        if key == "local_layers":
+        if key == "qkv_bias":
+            coerced[key] = None if value is None or value == "" else (
+                value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value))
+        elif key == "local_layers":
             coerced[key] = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip())
         elif isinstance(default, bool):
             if isinstance(value, str):

@@ -8,7 +8,6 @@ head's, model/heads.py, when config.head names one).
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,12 @@ from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.heads import build_head
 from model.masks import build_allowed, within_window
+from model.norms import make_norm
 from model.pooling import mean_pool
+
+# config.activation -> the function ("gelu": the exact, erf GELU, as BERT; "gelu_tanh": Gemma's approximation)
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+                        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None) -> torch.Tensor:
     """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D).
@@ -63,11 +67,12 @@ class Embeddings(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, d) if config.input_kind == "tokens" else None
         self.token_types = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
         self.positions = nn.Embedding(config.max_positions, d) if config.positional == "learned" else None
-        self.norm = (nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias)
-                     if config.embedding_layer_norm else None)
+        self.norm = make_norm(config) if config.embedding_layer_norm else None
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         h = self.tokens(x) if self.tokens is not None else x  # (B, T, D)
+        if self.tokens is not None and self.config.embedding_scale != 1.0:
+            h = h * self.config.embedding_scale
         length = h.shape[1]
         if self.positions is not None and self.config.position_ids == "after_padding":
             h = h + self.positions(learned_position_ids(x, self.config.pad_token_id))
@@ -83,41 +88,47 @@ class Embeddings(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = act(x·W1 + b1)·W2 + b2; gated (GLU): [u, g] = x·W1, FFN(x) = (act(u) * g)·W2."""
+    """FFN(x) = act(x·W_up + b)·W_down + b; gated (GLU): FFN(x) = (act(x·W_up) * (x·W_gate))·W_down, the
+    activated projection `up` (ModernBERT: Wi's first half; Qwen: gate_proj) times the linear one `gate`
+    (Wi's second half; Qwen: up_proj)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.gated = config.ffn == "gated"
-        width = 2 * config.d_ff if self.gated else config.d_ff
-        self.up = nn.Linear(config.d_model, width, bias=config.linear_bias)  # gated: (input, gate) halves
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.linear_bias)
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.linear_bias) if self.gated else None
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.linear_bias)
-        self.activation = F.relu if config.activation == "relu" else F.gelu  # exact (erf) GELU, as BERT
+        self.activation = ACTIVATION_FUNCTIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            value, gate = self.up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
-            return self.down(self.activation(value) * gate)
+            return self.down(self.activation(self.up(x)) * self.gate(x))
         return self.down(self.activation(self.up(x)))
 
 
 class EncoderLayer(nn.Module):
-    """post-norm: x = LN(x + MHA(x)); x = LN(x + FFN(x)).  pre-norm: x = x + MHA(LN(x)); ..."""
+    """post-norm: x = N(x + MHA(x)); x = N(x + FFN(x)).  pre-norm: x = x + MHA(N(x)); ...
+    sandwich (Gemma): x = x + N'(MHA(N(x))); x = x + N'(FFN(N(x))), N' the *_post_norm."""
 
     def __init__(self, config: EncoderConfig, path: str = DENSE, index: int = 0) -> None:
         super().__init__()
-        self.pre_norm = config.norm_placement == "pre"
+        self.placement = config.norm_placement
         # The attention plan: a local layer attends within config.local_window (intersected with the
         # request's mask), a global one as the request asks.
         self.window = config.layer_window(index)
         self.attention = MultiHeadAttention(config, path, window=self.window)
-        norm = partial(nn.LayerNorm, config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
-        self.attention_norm = nn.Identity() if index == 0 and not config.first_attention_norm else norm()
+        self.attention_norm = nn.Identity() if index == 0 and not config.first_attention_norm else make_norm(config)
         self.ffn = FeedForward(config)
-        self.ffn_norm = norm()
+        self.ffn_norm = make_norm(config)
+        if self.placement == "sandwich":
+            self.attention_post_norm, self.ffn_post_norm = make_norm(config), make_norm(config)
         # Dropout after attention and FFN is inactive at inference; the reference omits it.
 
     def forward(self, x: torch.Tensor, masks: MaskInputs, rotary: tuple | None = None) -> torch.Tensor:
-        if self.pre_norm:
+        if self.placement == "sandwich":
+            x = x + self.attention_post_norm(self.attention(self.attention_norm(x), masks, rotary))
+            return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
+        if self.placement == "pre":
             x = x + self.attention(self.attention_norm(x), masks, rotary)
             return x + self.ffn(self.ffn_norm(x))
         x = self.attention_norm(x + self.attention(x, masks, rotary))
@@ -135,10 +146,7 @@ class Encoder(nn.Module):
         self.path = path
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config, path, i) for i in range(config.n_layers))
-        self.final_norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
-            if config.norm_placement == "pre" else None
-        )
+        self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
         if config.positional == "rotary":  # fixed tables: non-persistent, never in a state dict
             self.register_buffer("rope_global", rotary_inverse_frequencies(config.head_dim, config.rope_theta),
                                  persistent=False)

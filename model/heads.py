@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import EncoderConfig
+from model.norms import make_norm
 from model.pooling import first_token, mean_pool
 
 HEAD_ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "gelu": F.gelu, "relu": F.relu}  # F.gelu: exact (erf)
@@ -41,7 +42,7 @@ class _Transform(nn.Module):
         d = config.d_model
         self.dense = nn.Linear(d, d, bias=config.head_bias)
         self.activation = HEAD_ACTIVATION_FUNCTIONS[config.head_activation]
-        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.norm_bias) if config.head_norm else None
+        self.norm = make_norm(config) if config.head_norm else None
         self.out = nn.Linear(d, out_features, bias=config.head_out_bias)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:

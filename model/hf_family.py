@@ -73,24 +73,24 @@ def require(hf: Mapping[str, Any], keys: tuple[str, ...]) -> None:
 
 def encoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], **fields: Any) -> EncoderConfig:
     """EncoderConfig of a token encoder from config.json's sizes (hidden_size, num_attention_heads,
-    num_hidden_layers, intermediate_size, vocab_size, pad_token_id) and the family's `fields`; its
-    ConfigError as a CheckpointError about config.json."""
+    num_hidden_layers, intermediate_size, vocab_size, pad_token_id) and the family's `fields` (which
+    override these defaults); its ConfigError as a CheckpointError about config.json."""
     pad = hf.get("pad_token_id")
+    defaults = dict(
+        name=name,
+        d_model=int(hf["hidden_size"]),
+        n_heads=int(hf["num_attention_heads"]),
+        n_layers=int(hf["num_hidden_layers"]),
+        d_ff=int(hf["intermediate_size"]),
+        input_kind="tokens",
+        vocab_size=int(hf["vocab_size"]),
+        embedding_layer_norm=True,
+        pad_token_id=int(pad) if pad is not None else 0,
+        scaling="sqrt_dk",  # softmax(QKᵀ / sqrt(head_dim))
+        attention="softmax",
+        source=dict(source),
+    )
     try:
-        return EncoderConfig(
-            name=name,
-            d_model=int(hf["hidden_size"]),
-            n_heads=int(hf["num_attention_heads"]),
-            n_layers=int(hf["num_hidden_layers"]),
-            d_ff=int(hf["intermediate_size"]),
-            input_kind="tokens",
-            vocab_size=int(hf["vocab_size"]),
-            embedding_layer_norm=True,
-            pad_token_id=int(pad) if pad is not None else 0,
-            scaling="sqrt_dk",  # softmax(QKᵀ / sqrt(head_dim))
-            attention="softmax",
-            source=dict(source),
-            **fields,
-        )
+        return EncoderConfig(**{**defaults, **fields})
     except ConfigError as exc:
         raise CheckpointError(f"config.json does not describe a valid encoder: {exc}") from exc

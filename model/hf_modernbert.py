@@ -35,11 +35,14 @@ MODERNBERT_LAYER_MODULES: Mapping[str, str] = {
     "attn_norm": "attention_norm",
     "attn.Wo": "attention.out_proj",
     "mlp_norm": "ffn_norm",
-    "mlp.Wi": "ffn.up",  # (2·d_ff, D): GeGLU's input half then its gate half, as ours
     "mlp.Wo": "ffn.down",
 }
-MODERNBERT_FUSED = "attn.Wqkv"
-MODERNBERT_SPLIT = ("attention.q_proj", "attention.k_proj", "attention.v_proj")
+# Fused checkpoint tensors -> ours, their row blocks in order: Wqkv (3·D, D) is q, k, v; the GeGLU's Wi
+# (2·d_ff, D) its activated input half then its gate half.
+MODERNBERT_FUSED: Mapping[str, tuple[str, ...]] = {
+    "attn.Wqkv": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+    "mlp.Wi": ("ffn.up", "ffn.gate"),
+}
 MODERNBERT_IGNORED_PREFIXES = ("head.", "decoder.", "classifier.", "drop.")
 # transformers' ModernBERT activations we compute exactly ("gelu" is the erf GELU).
 MODERNBERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
@@ -47,7 +50,7 @@ MODERNBERT_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu"}
 
 def modernbert_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
     """[(our name, tensor, checkpoint name as shown)] for a ModernBertModel tensor; [] when none.
-    The fused Wqkv gives three (its row blocks q, k, v)."""
+    A fused tensor gives its row blocks (MODERNBERT_FUSED: Wqkv three, Wi two)."""
     if name in MODERNBERT_NAMES:
         return [(MODERNBERT_NAMES[name], tensor, name)]
     match = OUR_LAYER_NAME.match(name)  # ModernBERT's layers are named as ours: layers.{i}.{module}.{suffix}
@@ -56,19 +59,21 @@ def modernbert_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
     index, module, suffix = match.groups()
     if module in MODERNBERT_LAYER_MODULES:
         return [(f"layers.{index}.{MODERNBERT_LAYER_MODULES[module]}.{suffix}", tensor, name)]
-    if module == MODERNBERT_FUSED and tensor.shape[0] % 3 == 0:
-        rows = tensor.shape[0] // 3
+    parts = MODERNBERT_FUSED.get(module, ())
+    if parts and tensor.shape[0] % len(parts) == 0:
+        rows = tensor.shape[0] // len(parts)
         return [(f"layers.{index}.{ours}.{suffix}", part, f"{name}[{i * rows}:{(i + 1) * rows}]")
-                for i, (ours, part) in enumerate(zip(MODERNBERT_SPLIT, tensor.split(rows, dim=0)))]
+                for i, (ours, part) in enumerate(zip(parts, tensor.split(rows, dim=0)))]
     return []
 
 
 def encoder_to_modernbert_name(name: str) -> str | None:
     """The ModernBERT name of one of our tensors (for messages about tensors a checkpoint lacks)."""
     match = OUR_LAYER_NAME.match(name)
-    if match and match.group(2) in MODERNBERT_SPLIT:
-        index, module, suffix = match.groups()
-        return f"layers.{index}.{MODERNBERT_FUSED}.{suffix} ({module.split('.')[-1][0]} rows)"
+    for fused, parts in MODERNBERT_FUSED.items():
+        if match and match.group(2) in parts:
+            index, module, suffix = match.groups()
+            return f"layers.{index}.{fused}.{suffix} ({module.rsplit('.', 1)[-1].removesuffix('_proj')} rows)"
     return checkpoint_name(name, MODERNBERT_NAMES, MODERNBERT_LAYER_MODULES, "layers.{index}.{module}.{suffix}")
 
 

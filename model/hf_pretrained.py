@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from model import hf_bert, hf_modernbert, hf_roberta
+from model import hf_bert, hf_modernbert, hf_qwen, hf_roberta
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -39,7 +39,7 @@ from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_sp
 from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
-FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY)
+FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 # Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token
@@ -60,9 +60,10 @@ ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_POOLING_MODES: Mapping[str, str] = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "last",  # the last real token (decoder embedders: Qwen3-Embedding, gte-Qwen2)
 }
 # sentence-transformers >= 6 writes {"pooling_mode": "mean"} instead of the flags above.
-ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls"}
+ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 # ... and names its modules by their new homes (sentence_transformers.base.modules.transformer.Transformer);
 # a module is known by its class name under the sentence_transformers package.
 _ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE, ST_SPLADE_POOLING)}
@@ -89,7 +90,6 @@ ST_UNSUPPORTED_POOLING_FLAGS = (
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
-    "pooling_mode_lasttoken",
 )
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -102,7 +102,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def pooling_settings(mode: str = "mean", normalize: bool = False) -> dict[str, Any]:
     """How text embeddings are pooled by default: metadata.json's "pooling" (docs/export-format.md).
 
-    mode "mean" or "cls" (model.pooling.mean_pool / first_token); normalize = L2 after pooling.
+    mode "mean", "cls" or "last" (model.pooling.mean_pool / first_token / last_token; the server pools
+    "last" from each row's last real token); normalize = L2 after pooling.
     """
     return {"mode": mode, "normalize": bool(normalize)}
 
@@ -207,6 +208,8 @@ def _pooling_module_settings(pooling_file: Path, normalize: bool) -> dict[str, A
             modes.append(ST_POOLING_MODE_NAMES[named])
         else:
             refused.append(f"pooling_mode={named!r}")
+    if settings.get("include_prompt") is False and modes == ["mean"]:  # the prompt's tokens left out of the mean
+        refused.append("include_prompt=false")
     if refused or len(modes) != 1:
         raise CheckpointError(
             f"{pooling_file}: need exactly one of {', '.join(ST_POOLING_MODES)}; "

@@ -19,7 +19,7 @@ def test_heads_must_divide_d_model():
 
 @pytest.mark.parametrize("field,value", [("scaling", "cube_root"), ("attention", "flash"),
                                          ("positional", "alibi"), ("activation", "swish"),
-                                         ("norm_placement", "sandwich"), ("ffn", "swiglu"),
+                                         ("norm_placement", "peri"), ("ffn", "swiglu"), ("norm", "batch"),
                                          ("position_ids", "from_one")])
 def test_unknown_switch_value_names_the_field_and_the_choices(field, value):
     with pytest.raises(ConfigError, match=f"{field}={value!r} is not one of"):

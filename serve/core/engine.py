@@ -17,7 +17,7 @@ from model.mask_kinds import MaskKind
 from serve.backend.session import Backend
 from serve.core.batcher import Batcher, Ticket
 from serve.config import ServerConfig
-from serve.core.pooling import pool_chunks, resolve_pooling
+from serve.core.pooling import FROM_HIDDEN, pool_chunks, resolve_pooling
 from serve.core.requests import EncodeRequest, EncodeResult, Limits, to_rows
 from serve.core import tasks
 from serve.errors import DeadlineExceeded, ValidationError, quote
@@ -49,6 +49,7 @@ class ModelDescription:
     labels: tuple[str, ...] = ()
     prompts: dict = dataclasses.field(default_factory=dict)
     default_prompt_name: str = ""
+    natural_mask: str = "bidirectional"
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Engine:
         A model with a head (its task is not embed) answers its head's output (`scores`), never a pooled
         embedding."""
         if self.task != "embed":
-            if request.pooling in ("mean", "first"):
+            if request.pooling in ("mean", *FROM_HIDDEN):
                 raise ValidationError(
                     f"pooling: model {self.name!r} is {tasks.DESCRIBED[self.task]}; it answers its head's "
                     f"output (scores), not pooled embeddings: ask for pooling none (or leave it unset)")
@@ -245,5 +246,6 @@ class Engine:
             labels=tuple(self.labels) if self.task in ("rerank", "classify") else (),
             prompts=dict(meta.prompts),
             default_prompt_name=meta.default_prompt_name or "",
+            natural_mask=config.natural_mask,
         )
 

@@ -19,7 +19,10 @@ import numpy as np
 
 from serve.errors import ValidationError, quote
 
-POOLINGS = ("mean", "first", "none")  # what a request's pooling may be (KServe v2 lists them in this order)
+POOLINGS = ("mean", "first", "last", "none")  # what a request's pooling may be (KServe v2 lists them in this order)
+# the poolings read off the hidden states (a run returns them for such a request): the first token's, and
+# the last real token's (decoder embedders: Qwen3-Embedding, gte-Qwen2; rows are right-padded here)
+FROM_HIDDEN = ("first", "last")
 NORM_FLOOR = 1e-12  # a zero vector stays zero instead of dividing by zero
 
 
@@ -40,18 +43,21 @@ def resolve_pooling(asked: str, default: str, *, field: str = "pooling", embeddi
     return asked
 
 
-def request_outputs(request, hidden: np.ndarray, row_outputs: np.ndarray
+def request_outputs(request, hidden: np.ndarray, row_outputs: np.ndarray, lengths: np.ndarray
                     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """A request's (hidden states, embeddings, scores) from its rows' hidden [n, T, D] (zeros past each
     row's length) and the graph's per-row output [n, K]: the mean [n, D] of a model without a head,
     else its head's output (serve/core/tasks.py), which a request with `scores` is answered as is.
     What it asked for, nothing else. Embeddings are the mean or the first token, L2-normalised when
-    asked (a chunked text: after pooling, in `pool_chunks`)."""
+    asked (a chunked text: after pooling, in `pool_chunks`); "last" reads each row's position
+    lengths[i] - 1 (a row with no token pools to zeros)."""
     embeddings = None
     if request.pooling == "mean" and not request.scores:
         embeddings = row_outputs
     elif request.pooling == "first":
         embeddings = hidden[:, 0]
+    elif request.pooling == "last":
+        embeddings = hidden[np.arange(len(lengths)), np.maximum(np.asarray(lengths) - 1, 0)]
     if embeddings is not None and request.normalize and not request.chunks:
         embeddings = l2_normalize(embeddings)
     return (hidden if request.hidden_states else None), embeddings, (row_outputs if request.scores else None)

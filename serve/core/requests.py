@@ -5,6 +5,8 @@ The servicer converts protobuf into these; the batcher runs them. No gRPC, no pr
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from dataclasses import dataclass, field
 
@@ -20,7 +22,7 @@ from serve.errors import ValidationError
 
 @dataclass(frozen=True)
 class MaskChoice:
-    kind: MaskKind = MaskKind.BIDIRECTIONAL
+    kind: MaskKind | None = None  # None: the model's natural mask (config.natural_mask; the Engine resolves it)
     causal: bool = False
     window: int = 0
     step: int = 1
@@ -136,6 +138,8 @@ def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits, budge
             f"over max_request_tokens={limits.max_request_tokens}; split the request"
         )
     mask = request.mask
+    if mask.kind is None:  # the request chose none: the model's natural mask (config.natural_mask)
+        mask = dataclasses.replace(mask, kind=MaskKind.parse(config.natural_mask))
     custom = _check_mask(mask, lengths, max_len)
     step = int(mask.step) if mask.step else 1
     row_mask = RowMask(MaskKind(mask.kind), int(mask.window), step)

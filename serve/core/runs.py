@@ -21,7 +21,7 @@ from model.mask_kinds import MaskKind
 from serve.backend.feeds import Rows, pad_batch
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
-from serve.core.pooling import request_outputs
+from serve.core.pooling import FROM_HIDDEN, request_outputs
 from serve.core.requests import EncodeResult
 from serve.errors import ValidationError
 
@@ -59,7 +59,7 @@ class BatchRunner:
             tokens = int(lengths.sum())
             self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
                           padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)
-            wants_hidden = any(t.request.hidden_states or t.request.pooling == "first" for t, _ in pieces)
+            wants_hidden = any(t.request.hidden_states or t.request.pooling in FROM_HIDDEN for t, _ in pieces)
             if wants_hidden and tokens < rows * length:
                 hidden[np.arange(length) >= lengths[:, None]] = 0  # answered zeros past each row's length
             # the run's answers are finite (else: each row is checked); hidden states only where answered
@@ -173,7 +173,7 @@ class _Progress:
         self.batch_size, self.batch_length = batch_size, batch_length
         self.left -= count
         if not finite:
-            wants = self.ticket.request.hidden_states or self.ticket.request.pooling == "first"
+            wants = self.ticket.request.hidden_states or self.ticket.request.pooling in FROM_HIDDEN
             ok = np.isfinite(pooled[at:at + count]).all(axis=1)
             if wants:
                 ok &= np.isfinite(hidden[at:at + count]).all(axis=(1, 2))
@@ -214,7 +214,7 @@ class _Progress:
             ticket._finish(error=self.error)
             return
         hidden, pooled = self._gathered()
-        hidden_states, embeddings, scores = request_outputs(ticket.request, hidden, pooled)
+        hidden_states, embeddings, scores = request_outputs(ticket.request, hidden, pooled, ticket.rows.lengths)
         ticket._finish(EncodeResult(
             request_id=ticket.request.request_id,
             hidden_states=hidden_states,

@@ -23,7 +23,7 @@ from serve.core.metrics import Metrics
 from serve.protocols.pb import pb, pb_grpc
 from serve.protocols.tensors import from_numpy, to_numpy
 
-_POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first"}
+_POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first", pb.POOLING_LAST: "last"}
 
 
 def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) -> EncodeRequest:
@@ -35,8 +35,8 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
     # at most 2-d here, whatever the model: which dtype and shape it takes is the core's rule
     # (serve/core/requests.py), so features sent to a token model are told it takes INT64/INT32 ids
     sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, 2) for i, t in enumerate(msg.sequences))
-    try:
-        kind = MaskKind(msg.mask.kind)
+    try:  # no mask set: the model's natural mask (the Engine's)
+        kind = MaskKind(msg.mask.kind) if msg.HasField("mask") else None
     except ValueError:
         raise ValidationError(f"mask.kind: unknown value {msg.mask.kind}") from None
     custom = (to_numpy(msg.mask.custom, "mask.custom", "[T, T] or [B, T, T]", 3)
@@ -321,5 +321,5 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 has_tokenizer=d.has_tokenizer, default_pooling=d.default_pooling,
                 default_normalize=d.default_normalize, memory_bytes=d.memory_bytes,
                 task=d.task, labels=list(d.labels), prompts=dict(d.prompts),
-                default_prompt_name=d.default_prompt_name,
+                default_prompt_name=d.default_prompt_name, natural_mask=d.natural_mask,
             )

@@ -15,7 +15,7 @@ The v2 view of the served export (ModelMetadata says the same):
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
            embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
   request parameters (all optional): mask_kind (label or int), window, step, causal,
-           pooling ("mean" | "first" | "none"), normalize, truncate (texts over the tokenizer's
+           pooling ("mean" | "first" | "last" | "none"), normalize, truncate (texts over the tokenizer's
            max_length are cut instead of refused)
   With texts, T of last_hidden_state is the longest text's token count.
   response parameters: batch_size (rows in the session.run that computed the request's longest row),
@@ -125,8 +125,10 @@ def _bool_param(params, name: str, default: bool) -> bool:
     raise ValidationError(f"parameters.{name}: expected a boolean, got {quote(value)}")
 
 
-def _mask_kind(params) -> MaskKind:
-    value = _param(params, "mask_kind", "bidirectional")
+def _mask_kind(params) -> MaskKind | None:
+    value = _param(params, "mask_kind", None)
+    if value is None:  # not given: the model's natural mask (the Engine's)
+        return None
     if isinstance(value, str) and len(value) <= 64:  # longer is no kind (and int() of it is costly)
         try:
             return MaskKind(int(value)) if value.isdigit() else MaskKind.parse(value)

@@ -9,7 +9,7 @@ LangChain's and LlamaIndex's OpenAI embedding classes, infinity, TEI and vLLM sp
             encoding_format  "float" (default) | "base64" (little-endian float32, as OpenAI's)
             dimensions       Matryoshka: keep the first N of d_model values, then re-normalise
             user             ignored
-   ours:    pooling ("mean" | "first"), normalize (default: the export's), truncate, chunk (texts, as
+   ours:    pooling ("mean" | "first" | "last"), normalize (default: the export's), truncate, chunk (texts, as
             Encode's), mask ({"kind", "window", "step", "causal"}, as Encode's MaskChoice)
   response  {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
              "usage": {"prompt_tokens", "total_tokens"}} (tokens each input ran with)
@@ -78,12 +78,13 @@ def _mask(value) -> MaskChoice:
         return MaskChoice()
     if not isinstance(value, dict):
         raise ValidationError(f"mask: expected an object {{\"kind\", \"window\", \"step\", \"causal\"}}, got {quote(value)}")
-    kind = value.get("kind", "bidirectional")
-    try:
-        kind = MaskKind.parse(kind) if isinstance(kind, str) else MaskKind(kind)
-    except (ValueError, TypeError):
-        raise ValidationError(f"mask.kind: unknown value {quote(kind)}; expected one of "
-                              f"{', '.join(k.label for k in MaskKind)}") from None
+    kind = value.get("kind")  # None: a mask without a kind gets the model's natural mask (the Engine's)
+    if kind is not None:
+        try:
+            kind = MaskKind.parse(kind) if isinstance(kind, str) else MaskKind(kind)
+        except (ValueError, TypeError):
+            raise ValidationError(f"mask.kind: unknown value {quote(kind)}; expected one of "
+                                  f"{', '.join(k.label for k in MaskKind)}") from None
     ints = {name: _field(value, name, (int,), default, "an integer") for name, default in (("window", 0), ("step", 1))}
     causal = _field(value, "causal", (bool,), False, "true or false")
     return MaskChoice(kind, causal, ints["window"], ints["step"])

@@ -228,7 +228,8 @@ class TEIService(TaskRoutes):
                 kind = {"reranker" if d.task == "rerank" else "classifier":
                         {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
             else:
-                pooling = "splade" if d.task == "sparse" else {"first": "cls"}.get(d.default_pooling, d.default_pooling)
+                pooling = "splade" if d.task == "sparse" else \
+                    {"first": "cls", "last": "last_token"}.get(d.default_pooling, d.default_pooling)
                 kind = {"embedding": {"pooling": pooling}}
             payload = orjson.dumps({
                 "model_id": d.name, "model_sha": d.sha256, "model_dtype": "float32", "served_model_name": d.name,
