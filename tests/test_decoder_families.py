@@ -239,3 +239,89 @@ def test_a_request_may_still_choose_a_bidirectional_mask(qwen3_embedding):
         bidirectional = client.embed(TEXTS[:1], mask="bidirectional")
     assert cosines(natural.embeddings, expected).min() >= MIN_COSINE
     assert cosines(bidirectional.embeddings, expected).min() < 0.999
+
+
+# --- Gemma3 text (model/hf_gemma3.py): EmbeddingGemma's layout, bidirectional ------------------------------------
+
+# EmbeddingGemma-300m's parts at a small width: Gemma RMSNorm (1 + w), sandwich norms, embeddings times
+# sqrt(hidden), GQA with a head_dim of its own, q/k norms, query_pre_attn_scalar, tanh-GELU gates, sliding
+# layers around full ones (θ 10k / 1M), bidirectional attention with sliding_window 16 (|i - j| <= 8).
+GEMMA3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+              use_bidirectional_attention=True, max_position_embeddings=1024)
+GEMMA3_GRAPHS = ("model.onnx", "model.optimized.onnx", "model.sparse.onnx")
+
+
+def gemma3_reference(seed: int = 0, **changes):
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    config = Gemma3TextConfig(**{**GEMMA3, **changes})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return redraw(Gemma3TextModel(config), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(transformers Gemma3TextModel, our loaded model, {graph file: CPU session})."""
+    reference = gemma3_reference()
+    checkpoint = tmp_path_factory.mktemp("gemma3")
+    reference.save_pretrained(str(checkpoint))
+    out = tmp_path_factory.mktemp("gemma3-export")
+    assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "g",
+                        "--graphs", "fp32,optimized,long", "--quiet"]) == 0
+    sessions = {name: ort.InferenceSession(str(out / "g" / name), providers=["CPUExecutionProvider"])
+                for name in GEMMA3_GRAPHS}
+    return reference, load_pretrained(checkpoint), sessions
+
+
+def test_a_gemma3_config_reads_its_norms_scales_plan_and_bidirectional_mask(gemma3):
+    _, loaded, _ = gemma3
+    c = loaded.config
+    assert (c.norm, c.norm_placement, c.embedding_scale, c.scaling, c.temperature) == \
+        ("rms_gemma", "sandwich", 8.0, "temperature", 24 ** 0.5)
+    assert (c.head_dim, c.kv_heads, c.qk_norm, c.activation, c.natural_mask) == (32, 2, True, "gelu_tanh", "bidirectional")
+    assert (c.local_layers, c.local_window, c.rope_theta, c.rope_theta_local) == ((0, 1, 3), 8, 1e6, 1e4)
+
+
+@pytest.mark.parametrize("lengths", [[1], [9], [17], [512], [200, 57, 0]], ids=str)
+def test_gemma3_hidden_states_match_transformers_on_every_graph(gemma3, lengths):
+    """Lengths around the sliding window (|i - j| <= 8) and far past it, on the dense graphs and on the sparse
+    one (sliding layers banded, the full layer in the fused kernel)."""
+    reference, loaded, sessions = gemma3
+    feeds = make_feeds(loaded.config, lengths, MaskSpec(MaskKind.BIDIRECTIONAL), seed=len(lengths))
+    expected = transformers_hidden(reference, feeds)
+    assert max_error_at_real_positions(ours_hidden(loaded.encoder, feeds), expected, feeds["attention_mask"]) <= ATOL
+    for name, session in sessions.items():
+        error = max_error_at_real_positions(graph_hidden(session, feeds), expected, feeds["attention_mask"])
+        assert error <= ATOL, f"{name}: {error}"
+
+
+def test_a_causal_mask_is_not_what_embedding_gemma_computes(gemma3):
+    reference, loaded, _ = gemma3
+    feeds = make_feeds(loaded.config, [40, 13], MaskSpec(MaskKind.BIDIRECTIONAL))
+    wrong = ours_hidden(loaded.encoder, feeds, MaskKind.CAUSAL)
+    assert max_error_at_real_positions(wrong, transformers_hidden(reference, feeds), feeds["attention_mask"]) > TELLING
+
+
+def test_a_causal_gemma3_is_causal_with_its_window_one_short(tmp_path):
+    """Without use_bidirectional_attention Gemma3 is a causal model whose sliding layers see i - j < 16."""
+    reference = gemma3_reference(use_bidirectional_attention=False)
+    reference.save_pretrained(str(tmp_path))
+    loaded = load_pretrained(tmp_path)
+    assert (loaded.config.natural_mask, loaded.config.local_window) == ("causal", 15)
+    feeds = causal_feeds(loaded.config, [40, 13])
+    error = max_error_at_real_positions(ours_hidden(loaded.encoder, feeds), transformers_hidden(reference, feeds),
+                                        feeds["attention_mask"])
+    assert error <= ATOL
+
+
+def test_gemma3_with_soft_capped_attention_is_refused(tmp_path):
+    reference = gemma3_reference()
+    reference.save_pretrained(str(tmp_path))
+    settings = json.loads((tmp_path / "config.json").read_text())
+    settings["attn_logit_softcapping"] = 50.0
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match="attn_logit_softcapping"):
+        load_pretrained(tmp_path)

@@ -1,0 +1,139 @@
+"""The Gemma3 text family (transformers' Gemma3TextModel, model_type gemma3_text: EmbeddingGemma) on the one
+encoder, as config choices.
+
+  gemma3_text  Gemma's RMSNorm (1 + w), a norm before and after each block (norm_placement "sandwich"), the
+               token embeddings times sqrt(hidden_size), grouped-query attention with its own head_dim,
+               q/k norms, scores scaled by query_pre_attn_scalar^-1/2 (scaling "temperature"), tanh-GELU
+               gated FFN, rotary positions with a θ per layer kind, and interleaved sliding / full layers
+               as the attention plan. EmbeddingGemma's use_bidirectional_attention: bidirectional as the
+               natural mask, sliding layers see |i − j| <= sliding_window // 2 (transformers' exclusive
+               bound sliding_window // 2 + 1); without it the model is causal and a sliding layer sees
+               i − j <= sliding_window − 1.
+
+Refused, naming it: attention logit soft-capping, rope scaling other than the default, attention biases,
+an activation other than gelu_pytorch_tanh. Loaded by the shared strict loader (model/hf_pretrained.py)
+through `FAMILY`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from model.checkpoint import CheckpointError
+from model.config import EncoderConfig
+from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require
+
+GEMMA3_TYPES = ("gemma3_text",)
+GEMMA3_PREFIX = "model."  # Gemma3ForCausalLM keeps the encoder under it
+GEMMA3_NAMES: Mapping[str, str] = {
+    "embed_tokens.weight": "embeddings.tokens.weight",
+    "norm.weight": "final_norm.weight",
+}
+GEMMA3_LAYER_MODULES: Mapping[str, str] = {
+    "self_attn.q_proj": "attention.q_proj",
+    "self_attn.k_proj": "attention.k_proj",
+    "self_attn.v_proj": "attention.v_proj",
+    "self_attn.o_proj": "attention.out_proj",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "attention_post_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "ffn_post_norm",
+    "mlp.gate_proj": "ffn.up",  # the activated projection: gelu_tanh(x·gate_proj) · (x·up_proj)
+    "mlp.up_proj": "ffn.gate",
+    "mlp.down_proj": "ffn.down",
+}
+GEMMA3_IGNORED_NAMES = ("lm_head.weight",)  # tied to the embeddings in Gemma3ForCausalLM
+GEMMA3_ACTIVATIONS: Mapping[str, str] = {"gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def gemma3_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
+    """[(our name, tensor, checkpoint name)] for a Gemma3TextModel tensor; [] when none."""
+    if name in GEMMA3_NAMES:
+        return [(GEMMA3_NAMES[name], tensor, name)]
+    match = OUR_LAYER_NAME.match(name)
+    if match and match.group(2) in GEMMA3_LAYER_MODULES:
+        index, module, suffix = match.groups()
+        return [(f"layers.{index}.{GEMMA3_LAYER_MODULES[module]}.{suffix}", tensor, name)]
+    return []
+
+
+def encoder_to_gemma3_name(name: str) -> str | None:
+    return checkpoint_name(name, GEMMA3_NAMES, GEMMA3_LAYER_MODULES, "layers.{index}.{module}.{suffix}")
+
+
+def _thetas(hf: Mapping[str, Any]) -> tuple[float, float]:
+    """(full-attention θ, sliding θ): transformers 5's rope_parameters per layer kind, or rope_theta /
+    rope_local_base_freq; only plain ('default') rotary positions."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    thetas = []
+    for kind, old, default in (("full_attention", "rope_theta", 1_000_000.0),
+                               ("sliding_attention", "rope_local_base_freq", 10_000.0)):
+        entry = params.get(kind) or {}
+        for rope_type in (entry.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
+            if rope_type != "default":
+                raise CheckpointError(f"rope_type {rope_type!r} for {kind} is not supported; expected plain rotary "
+                                      "positions ('default')")
+        thetas.append(float(entry.get("rope_theta", hf.get(old, default))))
+    return thetas[0], thetas[1]
+
+
+def gemma3_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
+    """EncoderConfig for a Gemma3 text config.json; refuses what the encoder does not compute, naming it."""
+    require(hf, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in GEMMA3_ACTIVATIONS:
+        raise CheckpointError(f"hidden_activation {act!r} is not supported; expected one of {', '.join(GEMMA3_ACTIVATIONS)}")
+    for field in ("attn_logit_softcapping", "attention_bias"):
+        if hf.get(field):
+            raise CheckpointError(f"{field}={hf[field]!r} is not supported for gemma3_text")
+    layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        every = int(hf.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    bidirectional = bool(hf.get("use_bidirectional_attention"))
+    window = int(hf.get("sliding_window") or 4096)
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    full_theta, sliding_theta = _thetas(hf)
+    return encoder_config(
+        hf, name, source,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        attention_head_dim=head_dim if head_dim * heads != int(hf["hidden_size"]) else 0,
+        max_positions=int(hf.get("max_position_embeddings", 131072)),
+        type_vocab_size=0,
+        embedding_layer_norm=False,
+        embedding_scale=float(int(hf["hidden_size"]) ** 0.5),
+        norm="rms_gemma",
+        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_placement="sandwich",
+        positional="rotary",
+        rope_theta=full_theta,
+        rope_theta_local=sliding_theta,
+        scaling="temperature",  # scores · query_pre_attn_scalar^-1/2
+        temperature=float(hf.get("query_pre_attn_scalar", head_dim)) ** 0.5,
+        activation=GEMMA3_ACTIVATIONS[act],
+        ffn="gated",
+        linear_bias=False,
+        qk_norm=True,
+        local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        local_window=window // 2 if bidirectional else window - 1,
+        natural_mask="bidirectional" if bidirectional else "causal",
+    )
+
+
+FAMILY = Family(
+    model_types=GEMMA3_TYPES,
+    prefix=GEMMA3_PREFIX,
+    config=gemma3_config,
+    to_encoder=gemma3_to_encoder,
+    name_in_checkpoint=encoder_to_gemma3_name,
+    ignored_names=GEMMA3_IGNORED_NAMES,
+)
