@@ -35,6 +35,9 @@ class MaskInputs(NamedTuple):
     step: torch.Tensor  # (B,) int64
     allowed: torch.Tensor | None = None
     allowed_local: torch.Tensor | None = None  # (B, T, T): `allowed` within the plan's local window
+    # (1, heads, T, T) added to every layer's softmax scores after scaling: relative position buckets
+    # (config.relative_attention_buckets; Encoder.relative_attention_bias), dense path only
+    position_bias: torch.Tensor | None = None
 
 
 def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -160,7 +163,7 @@ class MultiHeadAttention(nn.Module):
             keep = allowed[:, None]  # (B, 1, T, T), broadcast over heads
             if self.kind == "softmax":
                 q, k, scale = self._scale(q, k, masks.attention_mask)
-                y = scaled_dot_product(q, k, v, keep, scale)
+                y = scaled_dot_product(q, k, v, keep, scale, masks.position_bias)
             elif self.kind == "additive":
                 feats = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (B, heads, T, T, head_dim)
                 scores = torch.einsum("bhijd,hd->bhij", feats, self.additive_v)

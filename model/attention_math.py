@@ -16,10 +16,14 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float | torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(Q·Kᵀ · scale)·V under `allowed`; shapes (..., T, d) and allowed (..., T, T)."""
+    """softmax(Q·Kᵀ · scale + bias)·V under `allowed`; shapes (..., T, d), allowed and the additive `bias`
+    (relative positions: (1, heads, T, T)) broadcast to (..., T, T)."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias
     return torch.matmul(masked_softmax(scores, allowed), v)
 
 

@@ -59,7 +59,10 @@ BYTES_PER_TOKEN_DIM = 48.0
 
 
 def long_path(config: EncoderConfig) -> str | None:
-    """The long-input path an export of `config` has beside dense, or None (additive attention)."""
+    """The long-input path an export of `config` has beside dense, or None (additive attention; relative
+    position buckets, whose bias the long-input ops do not add: such a model is served dense)."""
+    if config.relative_attention_buckets:
+        return None
     if config.attention == "softmax":
         return SPARSE
     if config.attention in ("linear", "performer"):

@@ -105,6 +105,12 @@ class EncoderConfig:
     # Random features m of performer attention (FAVOR+, φ(x) = exp(ω·x − ‖x‖²/2)/√m, ω ~ N(0, I)
     # drawn from `seed`); used by attention="performer" only.
     performer_features: int = 64
+    # Relative position buckets (MPNet, T5's bidirectional scheme): each (query i, key j) pair falls in one
+    # of relative_attention_buckets buckets by j - i (exact up to a quarter of them each way, then log-spaced
+    # up to relative_attention_max_distance, beyond which all share the last), and a learned per-head bias
+    # per bucket is added to every layer's softmax scores after scaling. 0: none. Dense attention only.
+    relative_attention_buckets: int = 0
+    relative_attention_max_distance: int = 128
     # Task head (model/heads.py; docs/export-format.md "Task heads"). The defaults are the headless encoder.
     #   classification: pool (head_pooling) -> dense(D, D, bias=head_bias) -> head_activation -> LayerNorm if
     #                   head_norm -> out(D, num_labels, bias=head_out_bias): logits [B, num_labels]
@@ -186,6 +192,15 @@ class EncoderConfig:
             raise ConfigError(f"local_window must be >= 0, got {self.local_window}")
         if layers and self.attention != "softmax":
             raise ConfigError("local_layers (an attention plan) needs attention='softmax'")
+        if self.relative_attention_buckets:
+            if self.relative_attention_buckets < 4:
+                raise ConfigError(f"relative_attention_buckets must be 0 (none) or >= 4, "
+                                  f"got {self.relative_attention_buckets}")
+            if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
+                raise ConfigError(f"relative_attention_max_distance must be > relative_attention_buckets // 4 "
+                                  f"(the exact buckets each way), got {self.relative_attention_max_distance}")
+            if self.attention != "softmax":
+                raise ConfigError("relative_attention_buckets needs attention='softmax' (a bias on its scores)")
         if self.head == "sparse" and self.input_kind != "tokens":
             raise ConfigError("head='sparse' needs input_kind='tokens' (its output has one entry per vocabulary id)")
 

@@ -20,6 +20,7 @@ from model.heads import build_head
 from model.masks import build_allowed, within_window
 from model.norms import make_norm
 from model.pooling import mean_pool
+from model.relative_positions import RelativePositionBias
 
 # config.activation -> the function ("gelu": the exact, erf GELU, as BERT; "gelu_tanh": Gemma's approximation)
 ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
@@ -152,6 +153,8 @@ class Encoder(nn.Module):
                                  persistent=False)
             self.register_buffer("rope_local", rotary_inverse_frequencies(config.head_dim, config.rope_theta_local),
                                  persistent=False)
+        # MPNet's relative position buckets: one bias table for every layer (relative_attention_bias.weight)
+        self.relative_attention_bias = RelativePositionBias(config) if config.relative_attention_buckets else None
         self.head = build_head(config)  # None without a task head: the state dict is the headless one
 
     def forward(
@@ -177,6 +180,8 @@ class Encoder(nn.Module):
             local = allowed & within_window(allowed.shape[1], self.config.local_window, allowed.device) \
                 if self.config.local_layers else None
             masks = masks._replace(allowed=allowed, allowed_local=local)
+        if self.relative_attention_bias is not None:  # computed once, added in every layer
+            masks = masks._replace(position_bias=self.relative_attention_bias(attention_mask.shape[1]))
         h = self.embeddings(inputs, token_type_ids)  # (B, T, D)
         rotary = {}
         if self.config.positional == "rotary":

@@ -64,6 +64,42 @@ def checkpoint_name(name: str, names: Mapping[str, str], layer_modules: Mapping[
     return None
 
 
+# transformers' decoder-style layer names (Llama and its kin: Qwen2/3, Gemma3) -> ours: attention projections,
+# the q/k norms where the model has them, the gated MLP. Families add their own layer norms.
+DECODER_LAYER_MODULES: Mapping[str, str] = {
+    "self_attn.q_proj": "attention.q_proj",
+    "self_attn.k_proj": "attention.k_proj",
+    "self_attn.v_proj": "attention.v_proj",
+    "self_attn.o_proj": "attention.out_proj",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate_proj": "ffn.up",  # the activated projection: act(x·gate_proj) · (x·up_proj)
+    "mlp.up_proj": "ffn.gate",  # the linear one it multiplies
+    "mlp.down_proj": "ffn.down",
+}
+
+
+def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer_pattern: re.Pattern = OUR_LAYER_NAME,
+               layer_name: str = "layers.{index}.{module}.{suffix}"):
+    """(to_encoder, name_in_checkpoint) of a family whose tensors map one to one through two tables: whole
+    names (theirs -> ours) and per-layer modules, its layers named by `layer_pattern` (index, module,
+    suffix) and, the other way, by `layer_name`."""
+
+    def to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
+        if name in names:
+            return [(names[name], tensor, name)]
+        match = layer_pattern.match(name)
+        if match and match.group(2) in layer_modules:
+            index, module, suffix = match.groups()
+            return [(f"layers.{index}.{layer_modules[module]}.{suffix}", tensor, name)]
+        return []
+
+    def name_in_checkpoint(name: str) -> str | None:
+        return checkpoint_name(name, names, layer_modules, layer_name)
+
+    return to_encoder, name_in_checkpoint
+
+
 def require(hf: Mapping[str, Any], keys: tuple[str, ...]) -> None:
     """Refuses a config.json without all of `keys`, naming those it lacks."""
     absent = [k for k in keys if k not in hf]

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
-from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require
+from model.hf_family import DECODER_LAYER_MODULES, Family, encoder_config, require, table_maps
 
 GEMMA3_TYPES = ("gemma3_text",)
 GEMMA3_PREFIX = "model."  # Gemma3ForCausalLM keeps the encoder under it
@@ -32,37 +30,17 @@ GEMMA3_NAMES: Mapping[str, str] = {
     "norm.weight": "final_norm.weight",
 }
 GEMMA3_LAYER_MODULES: Mapping[str, str] = {
-    "self_attn.q_proj": "attention.q_proj",
-    "self_attn.k_proj": "attention.k_proj",
-    "self_attn.v_proj": "attention.v_proj",
-    "self_attn.o_proj": "attention.out_proj",
-    "self_attn.q_norm": "attention.q_norm",
-    "self_attn.k_norm": "attention.k_norm",
+    **DECODER_LAYER_MODULES,  # its gated MLP: gelu_tanh(x·gate_proj) · (x·up_proj)
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "attention_post_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "ffn_post_norm",
-    "mlp.gate_proj": "ffn.up",  # the activated projection: gelu_tanh(x·gate_proj) · (x·up_proj)
-    "mlp.up_proj": "ffn.gate",
-    "mlp.down_proj": "ffn.down",
 }
 GEMMA3_IGNORED_NAMES = ("lm_head.weight",)  # tied to the embeddings in Gemma3ForCausalLM
 GEMMA3_ACTIVATIONS: Mapping[str, str] = {"gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def gemma3_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
-    """[(our name, tensor, checkpoint name)] for a Gemma3TextModel tensor; [] when none."""
-    if name in GEMMA3_NAMES:
-        return [(GEMMA3_NAMES[name], tensor, name)]
-    match = OUR_LAYER_NAME.match(name)
-    if match and match.group(2) in GEMMA3_LAYER_MODULES:
-        index, module, suffix = match.groups()
-        return [(f"layers.{index}.{GEMMA3_LAYER_MODULES[module]}.{suffix}", tensor, name)]
-    return []
-
-
-def encoder_to_gemma3_name(name: str) -> str | None:
-    return checkpoint_name(name, GEMMA3_NAMES, GEMMA3_LAYER_MODULES, "layers.{index}.{module}.{suffix}")
+gemma3_to_encoder, encoder_to_gemma3_name = table_maps(GEMMA3_NAMES, GEMMA3_LAYER_MODULES)
 
 
 def _thetas(hf: Mapping[str, Any]) -> tuple[float, float]:

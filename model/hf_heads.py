@@ -26,7 +26,8 @@ from model.tasks import TaskError, score_activation, task_for
 
 # Family of each model_type, as the head tables below know it.
 HEAD_FAMILIES: Mapping[str, str] = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
-                                    "modernbert": "modernbert"}
+                                    "modernbert": "modernbert",
+                                    "mpnet": "roberta"}  # MPNet's classifier / lm_head: RoBERTa's, same names
 # (family, head) -> checkpoint module (names after the family's encoder prefix, "bert." ..., is stripped) -> ours.
 # Suffixes (.weight / .bias; old BERT LayerNorms' .gamma / .beta) carry over. Two modules naming one of ours are
 # transformers' tied copies (cls.predictions.bias = cls.predictions.decoder.bias): either, or both when equal.

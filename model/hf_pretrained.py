@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from model import hf_bert, hf_gemma3, hf_modernbert, hf_qwen, hf_roberta
+from model import hf_bert, hf_gemma3, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -39,7 +39,8 @@ from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_sp
 from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
-FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY, hf_gemma3.FAMILY)
+FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY, hf_gemma3.FAMILY,
+                                hf_mpnet.FAMILY)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 # Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
-from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require
+from model.hf_family import DECODER_LAYER_MODULES, Family, encoder_config, require, table_maps
 
 QWEN_TYPES = ("qwen2", "qwen3")
 QWEN_PREFIX = "model."  # Qwen3ForCausalLM, Qwen2ForSequenceClassification, ... keep the encoder under it
@@ -30,36 +28,16 @@ QWEN_NAMES: Mapping[str, str] = {
     "norm.weight": "final_norm.weight",
 }
 QWEN_LAYER_MODULES: Mapping[str, str] = {
-    "self_attn.q_proj": "attention.q_proj",
-    "self_attn.k_proj": "attention.k_proj",
-    "self_attn.v_proj": "attention.v_proj",
-    "self_attn.o_proj": "attention.out_proj",
-    "self_attn.q_norm": "attention.q_norm",
-    "self_attn.k_norm": "attention.k_norm",
+    **DECODER_LAYER_MODULES,
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn.up",  # the activated projection: silu(x·gate_proj) · (x·up_proj)
-    "mlp.up_proj": "ffn.gate",  # the linear one it multiplies
-    "mlp.down_proj": "ffn.down",
 }
 QWEN_IGNORED_NAMES = ("lm_head.weight",)  # the language-model head of *ForCausalLM checkpoints
 QWEN_IGNORED_PREFIXES = ("rotary_emb.",)  # older checkpoints' inv_freq buffer
 QWEN_ACTIVATIONS: Mapping[str, str] = {"silu": "silu"}
 
 
-def qwen_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
-    """[(our name, tensor, checkpoint name)] for a Qwen2Model / Qwen3Model tensor; [] when none."""
-    if name in QWEN_NAMES:
-        return [(QWEN_NAMES[name], tensor, name)]
-    match = OUR_LAYER_NAME.match(name)  # layers.{i}.{module}.{suffix}, as ours
-    if match and match.group(2) in QWEN_LAYER_MODULES:
-        index, module, suffix = match.groups()
-        return [(f"layers.{index}.{QWEN_LAYER_MODULES[module]}.{suffix}", tensor, name)]
-    return []
-
-
-def encoder_to_qwen_name(name: str) -> str | None:
-    return checkpoint_name(name, QWEN_NAMES, QWEN_LAYER_MODULES, "layers.{index}.{module}.{suffix}")
+qwen_to_encoder, encoder_to_qwen_name = table_maps(QWEN_NAMES, QWEN_LAYER_MODULES)
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float:

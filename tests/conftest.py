@@ -55,6 +55,15 @@ PARITY_CONFIGS = {
     "rotary-gated-plan": dict(positional="rotary", rope_theta=160000.0, ffn="gated", activation="gelu",
                               norm_placement="pre", linear_bias=False, norm_bias=False, embedding_layer_norm=True,
                               first_attention_norm=False, local_layers=(1,), local_window=3),
+    # Decoder embedders' parts (Qwen2/3): RMSNorm, grouped-query attention with a head width of its own, q/k
+    # norms, SwiGLU, a q/k/v-only bias, causal as the natural mask.
+    "rms-gqa-swiglu-causal": dict(norm="rms", n_kv_heads=2, attention_head_dim=16, qk_norm=True, activation="silu",
+                                  ffn="gated", positional="rotary", norm_placement="pre", linear_bias=False,
+                                  qkv_bias=True, natural_mask="causal"),
+    # Gemma's parts (sandwich norms, (1 + w) RMSNorm, scaled embeddings, tanh-GELU gates) with MPNet's relative
+    # position buckets.
+    "gemma-sandwich-relative": dict(norm="rms_gemma", norm_placement="sandwich", activation="gelu_tanh", ffn="gated",
+                                    embedding_scale=2.0, relative_attention_buckets=32),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # ModernBERT's own layout (global every third layer, window 128 = |i - j| <= 64, θ 160k / 10k) at a
@@ -38,17 +39,23 @@ def redraw(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def word_tokenizer():
-    """(a word-level tokenizers.Tokenizer with [CLS] ... [SEP] around each text, its vocabulary size)."""
+BERT_SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
+
+
+def word_tokenizer(specials: tuple[str, ...] = BERT_SPECIALS, begin: str = "[CLS]", end: str = "[SEP]",
+                   unk: str = "[UNK]", pair_separator: str = ""):
+    """(a word-level tokenizers.Tokenizer with `begin` ... `end` around each text, its vocabulary size): the
+    `specials` take the first ids, in order; a pair is begin A end [pair_separator] B end (RoBERTa, MPNet: a
+    second </s> between the two)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-    specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
-    vocab = {token: i for i, token in enumerate(specials + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    vocab = {token: i for i, token in enumerate([*specials, *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
     tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+        single=f"{begin} $A {end}", pair=f"{begin} $A {end} {pair_separator} $B {end}".replace("  ", " "),
+        special_tokens=[(begin, vocab[begin]), (end, vocab[end])])
     return tokenizer, len(vocab)
 
 
@@ -72,3 +79,21 @@ def modernbert_embedding_model(base: Path, directory: Path, max_seq_length: int,
                                          st_models.Normalize()], device="cpu")
     model.save(str(directory))
     return model
+
+
+def cosines(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of two [n, D] arrays."""
+    return (actual * expected).sum(-1) / (np.linalg.norm(actual, axis=-1) * np.linalg.norm(expected, axis=-1))
+
+
+def openai_embeddings(server, model: str, texts: list[str], **fields) -> np.ndarray:
+    """[n, D] from the server's POST /v1/embeddings (`fields`: more of the body, e.g. truncate=True), in input order."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": model, "input": texts, **fields}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/embeddings", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        data = json.loads(response.read())["data"]
+    return np.array([item["embedding"] for item in sorted(data, key=lambda d: d["index"])], np.float32)

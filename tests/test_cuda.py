@@ -206,24 +206,10 @@ def test_a_long_window_request_served_on_cuda_runs_sparse_and_equals_pytorch(ser
 def modernbert_on_cuda(tmp_path_factory):
     """(transformers ModernBertModel (eager, CPU), the sparse graph's CUDA session, our loaded encoder, graph,
     the checkpoint's directory)."""
-    import torch
-    from transformers import ModernBertConfig, ModernBertModel
-
-    from export.cli import main as export_main
     from model.hf_pretrained import load_pretrained
-    from tests.hf_references import redraw
-    from tests.test_tiled_attention import WIDE
+    from tests.test_tiled_attention import export_plan
 
-    config = ModernBertConfig(**{**WIDE, "max_position_embeddings": 32768})  # rotary: any length
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    reference = redraw(ModernBertModel(config))
-    checkpoint = tmp_path_factory.mktemp("mb-cuda")
-    reference.save_pretrained(str(checkpoint))
-    out = tmp_path_factory.mktemp("mb-cuda-export")
-    assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "mb",
-                        "--graphs", "fp32,long", "--quiet"]) == 0
-    graph = str(out / "mb" / "model.sparse.onnx")
+    reference, checkpoint, graph = export_plan(tmp_path_factory, max_position_embeddings=32768)  # rotary: any length
     session = ort.InferenceSession(graph, providers=[(CUDA, {"use_tf32": "0"})])
     assert session.get_providers()[0] == CUDA
     return reference, session, load_pretrained(checkpoint), graph, checkpoint

@@ -21,7 +21,7 @@ from model.checkpoint import CheckpointError
 from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.mask_kinds import MaskKind
-from tests.hf_references import WORDS, redraw
+from tests.hf_references import WORDS, cosines, openai_embeddings, redraw
 
 ATOL = 1e-4  # hidden states at real positions, max abs
 TELLING = 1e-2  # a wrong mask or a missing part moves the hidden states by more than this at this scale
@@ -197,10 +197,6 @@ def qwen3_embedding(tmp_path_factory, serve_start):
     return model, serve_start(out / "qwen3-embedding")
 
 
-def cosines(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    return (actual * expected).sum(-1) / (np.linalg.norm(actual, axis=-1) * np.linalg.norm(expected, axis=-1))
-
-
 def test_the_export_declares_last_token_pooling_normalisation_the_prompts_and_the_causal_mask(qwen3_embedding):
     model, server = qwen3_embedding
     with EncoderClient(server.target, timeout=60) as client:
@@ -218,17 +214,9 @@ def test_served_embeddings_with_a_prompt_equal_sentence_transformers(qwen3_embed
 
 
 def test_openai_embeddings_equal_sentence_transformers(qwen3_embedding):
-    import urllib.request
-
     model, server = qwen3_embedding
     expected = model.encode(TEXTS, batch_size=len(TEXTS), convert_to_numpy=True)
-    body = json.dumps({"model": "qwen3-embedding", "input": TEXTS}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/embeddings", data=body,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        data = json.loads(response.read())["data"]
-    actual = np.array([item["embedding"] for item in sorted(data, key=lambda d: d["index"])], np.float32)
-    assert cosines(actual, expected).min() >= MIN_COSINE
+    assert cosines(openai_embeddings(server, "qwen3-embedding", TEXTS), expected).min() >= MIN_COSINE
 
 
 def test_a_request_may_still_choose_a_bidirectional_mask(qwen3_embedding):

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from export.cases import EVERY_MASK, MaskSpec, make_feeds
 from export.contract import FP32_TOLERANCE, ExportContract
 from export.validate import reference_outputs
-from model.config import ACTIVATIONS, ATTENTION_KINDS, FFN_KINDS, INPUT_KINDS, NORM_PLACEMENTS, POSITION_IDS, POSITIONALS
+from model.config import (ACTIVATIONS, ATTENTION_KINDS, FFN_KINDS, INPUT_KINDS, NATURAL_MASKS, NORM_PLACEMENTS, NORMS,
+                          POSITION_IDS, POSITIONALS)
 from model.encoder import build_encoder
 from model.mask_kinds import MaskKind
 
@@ -91,9 +92,12 @@ def test_parity_configs_cover_every_value_of_every_switch(loaded):
                           ("activation", ACTIVATIONS), ("attention", ATTENTION_KINDS),
                           ("input_kind", INPUT_KINDS), ("ffn", FFN_KINDS), ("position_ids", POSITION_IDS),
                           ("linear_bias", (True, False)), ("norm_bias", (True, False)),
-                          ("first_attention_norm", (True, False))):
+                          ("first_attention_norm", (True, False)), ("norm", NORMS),
+                          ("natural_mask", NATURAL_MASKS), ("qk_norm", (True, False))):
         assert {getattr(c, field) for c in configs} == set(values), field
     assert any(c.local_layers for c in configs) and any(not c.local_layers for c in configs)
+    assert any(c.kv_heads < c.n_heads for c in configs) and any(c.head_dim * c.n_heads != c.d_model for c in configs)
+    assert any(c.relative_attention_buckets for c in configs) and any(c.embedding_scale != 1.0 for c in configs)
 
 
 def test_causal_rows_with_left_padding_give_finite_outputs(loaded):

@@ -51,12 +51,12 @@ def around(tile: int) -> list[int]:
     return [tile - 1, tile, tile + 1, 2 * tile + 1]
 
 
-@pytest.fixture(scope="module")
-def modernbert(tmp_path_factory):
-    """(sparse graph file, transformers ModernBertModel (eager), its session, our dense encoder)."""
+def export_plan(tmp_path_factory, **changes) -> tuple:
+    """(transformers ModernBertModel (eager) of WIDE + `changes`, its checkpoint directory, the sparse graph
+    file of its `python -m export --graphs fp32,long`)."""
     from transformers import ModernBertConfig, ModernBertModel
 
-    config = ModernBertConfig(**WIDE)
+    config = ModernBertConfig(**{**WIDE, **changes})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     reference = redraw(ModernBertModel(config))
@@ -65,7 +65,13 @@ def modernbert(tmp_path_factory):
     out = tmp_path_factory.mktemp("mb-tiled-export")
     assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "mb",
                         "--graphs", "fp32,long", "--quiet"]) == 0
-    graph = str(out / "mb" / "model.sparse.onnx")
+    return reference, checkpoint, str(out / "mb" / "model.sparse.onnx")
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory):
+    """(sparse graph file, transformers ModernBertModel (eager), its session, our dense encoder)."""
+    reference, checkpoint, graph = export_plan(tmp_path_factory)
     session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
     return graph, reference, session, load_pretrained(checkpoint)
 
