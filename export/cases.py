@@ -120,7 +120,7 @@ LONG_MIXED = {
 }
 
 
-# Rows a sparse graph with an attention plan computes besides LONG_MASKS[SPARSE].
+# Rows a sparse graph computes besides LONG_MASKS[SPARSE] (model/attention_paths.py path_kinds).
 PLAN_MASKS = (MaskSpec(MaskKind.BIDIRECTIONAL), MaskSpec(MaskKind.CAUSAL))
 
 
@@ -139,7 +139,7 @@ def validation_cases(config: EncoderConfig, *, long_length: int = 67, path: str 
     longest = min(long_length, limit)
     shapes = [[1], [13], [5, 13, 1], [longest, 31, 0, 7]]
     specs = EVERY_MASK if path == DENSE else LONG_MASKS[path]
-    if path == SPARSE and config.local_layers:  # a plan's sparse graph computes these rows too
+    if path == SPARSE:  # the sparse graph computes these rows too (its global layers in tiles)
         specs = (*specs, *PLAN_MASKS)
     cases = []
     for index, spec in enumerate(specs):

@@ -85,10 +85,13 @@ def block_size(window: int, length: int) -> int:
 
 
 def path_kinds(path: str, config: EncoderConfig) -> frozenset:
-    """The mask kinds `path` computes for this config: with an attention plan (local layers) the sparse
-    path computes bidirectional and causal rows too (local layers banded, global layers dense)."""
+    """The mask kinds `path` computes for this config: the sparse path computes bidirectional and causal
+    rows too, its global layers taking them as dilated rows of step 1 (every key, in tiles: the fused
+    kernel for bidirectional runs, the query-tile Loop for causal ones); with an attention plan its local
+    layers banded. Their work is T², as dense; the server takes this path for them when it holds less than
+    the dense graph would and the dense one does not fit (serve/core/attention_budget.py)."""
     kinds = PATH_KINDS[path]
-    if path == SPARSE and config.local_layers:
+    if path == SPARSE:
         kinds = kinds | {MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL}
     return kinds
 
@@ -123,6 +126,10 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
         if peak:
             return float(max(local, global_cost) if n_local < config.n_layers else local)
         return float((n_local * local + (config.n_layers - n_local) * global_cost) / config.n_layers)
+    if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # every key: dilated rows of step 1, in tiles
+        if not fused_tiles and mask.kind == MaskKind.BIDIRECTIONAL:
+            return float(t * t)
+        mask = RowMask(MaskKind.DILATED, 0, 1)
     window = mask.window if mask.kind.uses_window else -1
     k = block_size(window, t)
     band = math.ceil(t / k) * k * 3 * k

@@ -31,7 +31,9 @@ MIN_COSINE = 0.99999
 QWEN3 = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6)
 QWEN2 = {k: v for k, v in QWEN3.items() if k != "head_dim"}
-GRAPHS = ("model.onnx", "model.optimized.onnx")
+# the sparse graph computes causal rows too (its layers in query tiles): what a 32k-token row runs on when the
+# dense graph's T x T does not fit the server's budget (serve/core/attention_budget.py)
+GRAPHS = ("model.onnx", "model.optimized.onnx", "model.sparse.onnx")
 
 
 def reference_model(model_type: str, seed: int = 0, **changes):

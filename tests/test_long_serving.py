@@ -18,7 +18,9 @@ from client import EncoderClient, build_request
 from tests.concurrency import call_concurrently
 
 ATOL = FP32_TOLERANCE["limit"]
-BUDGET = 256 * 1024 * 1024  # a 4096-token bidirectional row of the tiny model (~1.9 GiB) is refused, a window fits
+# a 4096-token bidirectional row of the tiny model does not fit the dense graph (~1.9 GiB) but fits the sparse one
+# (in tiles); a 65,536-token one fits neither, a window row of that length does
+BUDGET = 256 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +74,44 @@ def test_requests_of_different_kinds_at_once_each_take_their_path_and_equal_pyto
         np.testing.assert_allclose(got, pooled, atol=ATOL, rtol=0, err_msg=kind)
 
 
+@pytest.mark.parametrize("kind", ["bidirectional", "causal"])
+def test_a_row_the_dense_graph_cannot_hold_runs_sparse_in_tiles_and_equals_pytorch(server, reference, kind):
+    """4096 tokens: the dense graph's T x T scores (~1.9 GiB) are over the budget; the sparse graph holds its
+    global layers' scores in tiles (the fused kernel, the query-tile Loop), so the row is served there."""
+    ids = _ids(4096, seed=5)
+    with EncoderClient(server.target, timeout=300) as client:
+        response = client.stub.Encode(build_request([ids], mask=kind), timeout=300)
+    assert list(response.metadata.attention_paths) == ["sparse"]
+    _, pooled = reference(ids, MaskKind.parse(kind))
+    np.testing.assert_allclose(np.frombuffer(response.results[0].embedding.data, np.float32), pooled, atol=ATOL, rtol=0)
+
+
 def test_an_over_budget_request_gets_resource_exhausted_naming_the_limit_and_what_fits(server):
-    with EncoderClient(server.target, retries=0) as client:
+    """A custom mask runs on the dense graph only: at 2048 tokens its T x T scores (~0.5 GiB) are over the
+    budget, and the refusal names the kinds that fit at that length (on the sparse graph)."""
+    custom = np.ones((2048, 2048), bool)
+    with EncoderClient(server.target, retries=0, timeout=300) as client:
         with pytest.raises(grpc.RpcError) as refused:
-            client.encode([_ids(4096)], mask="bidirectional")
+            client.encode([_ids(2048)], mask="custom", custom=custom)
         # the server stays up and serves the same length on a kind that fits
-        out = client.encode([_ids(4096)], mask="sliding_window", window=8)
+        out = client.encode([_ids(2048)], mask="sliding_window", window=8)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     message = refused.value.details()
-    assert f"max_attention_bytes={BUDGET}" in message and "T=4096" in message
+    assert f"max_attention_bytes={BUDGET}" in message and "T=2048" in message
     assert "sliding_window" in message and "bidirectional" in message
     assert out.embeddings[0].shape == (32,) and np.isfinite(out.embeddings[0]).all()
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_rows_that_fit_alone_are_refused_together_naming_their_count(server):
+    """Eight 4096-token bidirectional rows: each fits the sparse graph's tiles, together they pass the budget."""
+    with EncoderClient(server.target, retries=0, timeout=300) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.encode([_ids(4096, seed=i) for i in range(8)], mask="bidirectional")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "8 sequences" in refused.value.details() and f"max_attention_bytes={BUDGET}" in refused.value.details()
 
 
 def test_model_info_reports_the_attention_budget_and_the_length_it_allows(server):

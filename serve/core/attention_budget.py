@@ -2,7 +2,8 @@
 
 Each row runs on the cheapest attention path the export has that computes its mask kind exactly
 (model/attention_paths.py): a 32k-token sliding-window row on the sparse graph, a bidirectional row on
-the dense one. A request is admitted only if its attention fits `max_attention_bytes` (estimated
+the dense one, unless the dense one would not fit the budget and the sparse one, which holds its global
+layers' scores in tiles, does (a 32k-token causal row of a decoder embedder). A request is admitted only if its attention fits `max_attention_bytes` (estimated
 from rows, lengths, paths, heads); one that does not gets RESOURCE_EXHAUSTED naming the limit and the
 mask kinds that would fit, and the server goes on serving. The batcher never forms a batch whose
 estimate exceeds the budget, so two admitted requests cannot add up past it either.
@@ -67,11 +68,19 @@ class AttentionBudget:
         found = self._memo.get(key)
         if found is None:
             path = cheapest(length, mask, self.config, self.paths)
-            found = (path, attention_bytes(path, 1, length, mask, self.config, fused_tiles=not self.max_elements))
+            found = (path, self._bytes(path, length, mask))
+            if found[1] > self.max_bytes:  # the cheapest does not fit: an exact path that holds less (in tiles)
+                held = min((self._bytes(other, length, mask), other) for other in self.paths
+                           if computes(other, mask.kind, self.config))
+                if held[0] < found[1]:
+                    found = (held[1], held[0])
             if len(self._memo) >= MEMO_SIZE:
                 self._memo.clear()
             self._memo[key] = found
         return found
+
+    def _bytes(self, path: str, length: int, mask: RowMask) -> int:
+        return attention_bytes(path, 1, length, mask, self.config, fused_tiles=not self.max_elements)
 
     def path(self, length: int, mask: RowMask) -> str:
         return self._row(length, mask)[0]
