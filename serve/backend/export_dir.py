@@ -57,7 +57,7 @@ class ExportDir:
 
     @property
     def default_pooling(self) -> str:
-        """none | mean | first; metadata.json says "cls" for [CLS] pooling (model.hf_pretrained.pooling_settings)."""
+        """none | mean | first | last; metadata.json says "cls" for [CLS] pooling (model.hf_pretrained.pooling_settings)."""
         mode = str(self.metadata.pooling.get("mode", "mean"))
         return "first" if mode == "cls" else mode
 

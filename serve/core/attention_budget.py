@@ -3,7 +3,8 @@
 Each row runs on the cheapest attention path the export has that computes its mask kind exactly
 (model/attention_paths.py): a 32k-token sliding-window row on the sparse graph, a bidirectional row on
 the dense one, unless the dense one would not fit the budget and the sparse one, which holds its global
-layers' scores in tiles, does (a 32k-token causal row of a decoder embedder). A request is admitted only if its attention fits `max_attention_bytes` (estimated
+layers' scores in tiles, does (a 32k-token causal row of a decoder embedder). A request is admitted only
+if its attention fits `max_attention_bytes` (estimated
 from rows, lengths, paths, heads); one that does not gets RESOURCE_EXHAUSTED naming the limit and the
 mask kinds that would fit, and the server goes on serving. The batcher never forms a batch whose
 estimate exceeds the budget, so two admitted requests cannot add up past it either.

@@ -22,7 +22,7 @@ from serve.errors import ValidationError
 
 @dataclass(frozen=True)
 class MaskChoice:
-    kind: MaskKind | None = None  # None: the model's natural mask (config.natural_mask; the Engine resolves it)
+    kind: MaskKind | None = None  # None: the model's natural mask (config.natural_mask; resolved by to_rows)
     causal: bool = False
     window: int = 0
     step: int = 1

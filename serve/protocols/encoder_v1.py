@@ -35,7 +35,7 @@ def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) 
     # at most 2-d here, whatever the model: which dtype and shape it takes is the core's rule
     # (serve/core/requests.py), so features sent to a token model are told it takes INT64/INT32 ids
     sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, 2) for i, t in enumerate(msg.sequences))
-    try:  # no mask set: the model's natural mask (the Engine's)
+    try:  # no mask set: the model's natural mask (resolved by core/requests.py to_rows)
         kind = MaskKind(msg.mask.kind) if msg.HasField("mask") else None
     except ValueError:
         raise ValidationError(f"mask.kind: unknown value {msg.mask.kind}") from None

@@ -127,7 +127,7 @@ def _bool_param(params, name: str, default: bool) -> bool:
 
 def _mask_kind(params) -> MaskKind | None:
     value = _param(params, "mask_kind", None)
-    if value is None:  # not given: the model's natural mask (the Engine's)
+    if value is None:  # not given: the model's natural mask (resolved by core/requests.py to_rows)
         return None
     if isinstance(value, str) and len(value) <= 64:  # longer is no kind (and int() of it is costly)
         try:

@@ -78,7 +78,8 @@ def _mask(value) -> MaskChoice:
         return MaskChoice()
     if not isinstance(value, dict):
         raise ValidationError(f"mask: expected an object {{\"kind\", \"window\", \"step\", \"causal\"}}, got {quote(value)}")
-    kind = value.get("kind")  # None: a mask without a kind gets the model's natural mask (the Engine's)
+    # None: a mask without a kind gets the model's natural mask (resolved by core/requests.py to_rows)
+    kind = value.get("kind")
     if kind is not None:
         try:
             kind = MaskKind.parse(kind) if isinstance(kind, str) else MaskKind(kind)
