@@ -100,6 +100,33 @@ def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer
     return to_encoder, name_in_checkpoint
 
 
+def plain_rope_theta(hf: Mapping[str, Any], kind: str | None, old_key: str, default: float) -> float:
+    """θ of plain ('default') rotary positions: transformers 5's rope_parameters (its entry for layer `kind`,
+    e.g. "sliding_attention", where the family has one per kind) or the older config key `old_key`. Any
+    other rope_type, there or in transformers 4's rope_scaling, is refused naming it."""
+    params = hf.get("rope_parameters") or {}
+    entry = (params.get(kind) or {}) if kind else params
+    scaling = hf.get("rope_scaling") or {}
+    for rope_type in (entry.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
+        if rope_type != "default":
+            where = f" for {kind}" if kind else ""
+            raise CheckpointError(f"rope_type {rope_type!r}{where} is not supported; expected plain rotary positions "
+                                  "('default')")
+    return float(entry.get("rope_theta", hf.get(old_key, default)))
+
+
+def sliding_layers(hf: Mapping[str, Any], layers: int, default: list[str]) -> tuple[int, ...]:
+    """The indices of config.json's sliding_attention layers (its layer_types, else the family's `default`
+    pattern): the attention plan's local layers. Anything but `layers` of full_attention / sliding_attention
+    is refused naming it."""
+    layer_types = hf.get("layer_types")
+    layer_types = default if layer_types is None else layer_types
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+
+
 def require(hf: Mapping[str, Any], keys: tuple[str, ...]) -> None:
     """Refuses a config.json without all of `keys`, naming those it lacks."""
     absent = [k for k in keys if k not in hf]

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
-from model.hf_family import DECODER_LAYER_MODULES, Family, encoder_config, require, table_maps
+from model.hf_family import (DECODER_LAYER_MODULES, Family, encoder_config, plain_rope_theta, require, sliding_layers,
+                             table_maps)
 
 GEMMA3_TYPES = ("gemma3_text",)
 GEMMA3_PREFIX = "model."  # Gemma3ForCausalLM keeps the encoder under it
@@ -43,23 +44,6 @@ GEMMA3_ACTIVATIONS: Mapping[str, str] = {"gelu_pytorch_tanh": "gelu_tanh"}
 gemma3_to_encoder, encoder_to_gemma3_name = table_maps(GEMMA3_NAMES, GEMMA3_LAYER_MODULES)
 
 
-def _thetas(hf: Mapping[str, Any]) -> tuple[float, float]:
-    """(full-attention θ, sliding θ): transformers 5's rope_parameters per layer kind, or rope_theta /
-    rope_local_base_freq; only plain ('default') rotary positions."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    thetas = []
-    for kind, old, default in (("full_attention", "rope_theta", 1_000_000.0),
-                               ("sliding_attention", "rope_local_base_freq", 10_000.0)):
-        entry = params.get(kind) or {}
-        for rope_type in (entry.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
-            if rope_type != "default":
-                raise CheckpointError(f"rope_type {rope_type!r} for {kind} is not supported; expected plain rotary "
-                                      "positions ('default')")
-        thetas.append(float(entry.get("rope_theta", hf.get(old, default))))
-    return thetas[0], thetas[1]
-
-
 def gemma3_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
     """EncoderConfig for a Gemma3 text config.json; refuses what the encoder does not compute, naming it."""
     require(hf, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
@@ -70,17 +54,12 @@ def gemma3_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = 
         if hf.get(field):
             raise CheckpointError(f"{field}={hf[field]!r} is not supported for gemma3_text")
     layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        every = int(hf.get("sliding_window_pattern", 6))
-        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown or len(layer_types) != layers:
-        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    every = int(hf.get("sliding_window_pattern", 6))  # older configs: every 6th layer full
+    local = sliding_layers(hf, layers, ["sliding_attention" if (i + 1) % every else "full_attention"
+                                        for i in range(layers)])
     bidirectional = bool(hf.get("use_bidirectional_attention"))
     window = int(hf.get("sliding_window") or 4096)
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
-    full_theta, sliding_theta = _thetas(hf)
     return encoder_config(
         hf, name, source,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -93,15 +72,15 @@ def gemma3_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = 
         layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         norm_placement="sandwich",
         positional="rotary",
-        rope_theta=full_theta,
-        rope_theta_local=sliding_theta,
+        rope_theta=plain_rope_theta(hf, "full_attention", "rope_theta", 1_000_000.0),
+        rope_theta_local=plain_rope_theta(hf, "sliding_attention", "rope_local_base_freq", 10_000.0),
         scaling="temperature",  # scores · query_pre_attn_scalar^-1/2
         temperature=float(hf.get("query_pre_attn_scalar", head_dim)) ** 0.5,
         activation=GEMMA3_ACTIVATIONS[act],
         ffn="gated",
         linear_bias=False,
         qk_norm=True,
-        local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        local_layers=local,
         local_window=window // 2 if bidirectional else window - 1,
         natural_mask="bidirectional" if bidirectional else "causal",
     )

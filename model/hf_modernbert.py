@@ -17,7 +17,7 @@ import torch
 
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
-from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require
+from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require, sliding_layers
 
 MODERNBERT_TYPE = "modernbert"
 # Task models (ModernBertForMaskedLM, ...) prefix the encoder's names with this.
@@ -109,14 +109,8 @@ def modernbert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any
     if attention_bias != mlp_bias:
         raise CheckpointError(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported "
                               "(one bias switch for every linear)")
-    layers = int(hf["num_hidden_layers"])
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        every = int(hf.get("global_attn_every_n_layers", 3))
-        layer_types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
-    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
-    if unknown or len(layer_types) != layers:
-        raise CheckpointError(f"layer_types {layer_types} is not {layers} of full_attention / sliding_attention")
+    layers, every = int(hf["num_hidden_layers"]), int(hf.get("global_attn_every_n_layers", 3))
+    local = sliding_layers(hf, layers, ["sliding_attention" if i % every else "full_attention" for i in range(layers)])
     global_theta, local_theta = _modernbert_thetas(hf)
     return encoder_config(
         hf, name, source,
@@ -132,7 +126,7 @@ def modernbert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any
         linear_bias=attention_bias,
         norm_bias=bool(hf.get("norm_bias", False)),
         first_attention_norm=False,
-        local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        local_layers=local,
         local_window=int(hf.get("local_attention", 128)) // 2,
     )
 

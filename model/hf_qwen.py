@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
-from model.hf_family import DECODER_LAYER_MODULES, Family, encoder_config, require, table_maps
+from model.hf_family import DECODER_LAYER_MODULES, Family, encoder_config, plain_rope_theta, require, table_maps
 
 QWEN_TYPES = ("qwen2", "qwen3")
 QWEN_PREFIX = "model."  # Qwen3ForCausalLM, Qwen2ForSequenceClassification, ... keep the encoder under it
@@ -40,17 +40,6 @@ QWEN_ACTIVATIONS: Mapping[str, str] = {"silu": "silu"}
 qwen_to_encoder, encoder_to_qwen_name = table_maps(QWEN_NAMES, QWEN_LAYER_MODULES)
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    """θ of the rotary positions: transformers 5's rope_parameters or the older rope_theta; only 'default'."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}  # transformers 4's place for it
-    for rope_type in (params.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
-        if rope_type != "default":
-            raise CheckpointError(f"rope_type {rope_type!r} is not supported; expected plain rotary positions "
-                                  "('default')")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
 def qwen_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
     """EncoderConfig for a Qwen2 / Qwen3 config.json; refuses what the encoder does not compute, naming it."""
     model_type = hf.get("model_type")
@@ -67,7 +56,7 @@ def qwen_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()
         raise CheckpointError("attention_bias=true is not supported for qwen3 (a bias on o_proj but not on the MLP)")
     heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads) if qwen3 else 0
-    theta = _rope_theta(hf)
+    theta = plain_rope_theta(hf, None, "rope_theta", 10000.0)
     return encoder_config(
         hf, name, source,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
