@@ -117,11 +117,9 @@ def score_elements(path: str, length: int, mask: RowMask, config: EncoderConfig,
     if config.local_layers:
         k = block_size(config.local_window, t)
         local = math.ceil(t / k) * k * 3 * k
-        held_whole = not fused_tiles and mask.kind == MaskKind.BIDIRECTIONAL
-        if mask.kind in (MaskKind.BIDIRECTIONAL, MaskKind.CAUSAL):  # global layers: dense (step 1)
-            mask = RowMask(MaskKind.DILATED, 0, 1)
-        plain = config.replace(local_layers=())
-        global_cost = float(t * t) if held_whole else score_elements(path, length, mask, plain, peak=peak)
+        # a global layer: the row's kind on the plan-less sparse graph (bidirectional and causal in tiles, below)
+        global_cost = score_elements(path, length, mask, config.replace(local_layers=()), peak=peak,
+                                     fused_tiles=fused_tiles)
         n_local = len(config.local_layers)
         if peak:
             return float(max(local, global_cost) if n_local < config.n_layers else local)

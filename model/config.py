@@ -248,6 +248,11 @@ def to_dict(config: EncoderConfig) -> dict[str, Any]:
     return data
 
 
+def _as_bool(value: Any) -> bool:
+    """A bool field's value: a bool, or the text `--set field=...` gives ("1", "true", "yes", "on": true)."""
+    return value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
+
+
 def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
     known = {f.name: f for f in dataclasses.fields(EncoderConfig)}
     unknown = sorted(set(data) - set(known))
@@ -256,15 +261,12 @@ def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
     coerced: dict[str, Any] = {}
     for key, value in data.items():
         default = known[key].default
-        if key == "qkv_bias":
-            coerced[key] = None if value is None or value == "" else (
-                value.lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value))
+        if key == "qkv_bias":  # a bool, or None: as linear_bias
+            coerced[key] = None if value is None or value == "" else _as_bool(value)
         elif key == "local_layers":
             coerced[key] = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip())
         elif isinstance(default, bool):
-            if isinstance(value, str):
-                value = value.lower() in ("1", "true", "yes", "on")
-            coerced[key] = bool(value)
+            coerced[key] = _as_bool(value)
         elif isinstance(default, int):
             coerced[key] = int(value)
         elif isinstance(default, float):

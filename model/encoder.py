@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model.activations import ACTIVATION_FUNCTIONS
 from model.attention import MaskInputs, MultiHeadAttention
 from model.attention_paths import DENSE
 from model.config import EncoderConfig
@@ -21,10 +21,6 @@ from model.masks import build_allowed, within_window
 from model.norms import make_norm
 from model.pooling import mean_pool
 from model.relative_positions import RelativePositionBias
-
-# config.activation -> the function ("gelu": the exact, erf GELU, as BERT; "gelu_tanh": Gemma's approximation)
-ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
-                        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None) -> torch.Tensor:
     """PE[t, 2k] = sin(t / 10000^(2k/D)), PE[t, 2k+1] = cos(t / 10000^(2k/D)); shape (T, D).

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.activations import ACTIVATION_FUNCTIONS
 from model.config import EncoderConfig
 from model.norms import make_norm
 from model.pooling import first_token, mean_pool
 
-HEAD_ACTIVATION_FUNCTIONS = {"tanh": torch.tanh, "gelu": F.gelu, "relu": F.relu}  # F.gelu: exact (erf)
 
 
 class _Transform(nn.Module):
@@ -41,7 +41,7 @@ class _Transform(nn.Module):
         super().__init__()
         d = config.d_model
         self.dense = nn.Linear(d, d, bias=config.head_bias)
-        self.activation = HEAD_ACTIVATION_FUNCTIONS[config.head_activation]
+        self.activation = ACTIVATION_FUNCTIONS[config.head_activation]
         self.norm = make_norm(config) if config.head_norm else None
         self.out = nn.Linear(d, out_features, bias=config.head_out_bias)
 
