@@ -12,7 +12,7 @@ import torch
 
 from export.cli import main as export_main
 from client import EncoderClient, build_request, parse_response
-from tests.hf_references import MODERNBERT, WORDS, modernbert_embedding_model
+from tests.hf_references import MODERNBERT, WORDS, cosines, modernbert_embedding_model
 
 HIDDEN_ATOL = 1e-4
 MIN_COSINE = 0.99999
@@ -38,10 +38,6 @@ def server(serve_start, embedding_model, tmp_path_factory):
     assert export_main(["--from-pretrained", str(embedding_model[0]), "--out-dir", str(out), "--name", "mb",
                         "--graphs", "fp32,long", "--quiet"]) == 0
     return serve_start(out / "mb")
-
-
-def cosines(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    return (actual * expected).sum(-1) / (np.linalg.norm(actual, axis=-1) * np.linalg.norm(expected, axis=-1))
 
 
 def test_model_info_admits_8192_tokens_and_texts_of_8192_tokens(server):
