@@ -11,11 +11,11 @@ import argparse
 import json
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from model.config import VARIANT_PRESETS, ConfigError, EncoderConfig, from_dict, variants
-from model.export_format import TOKENIZER_FILE
 
 DEFAULT_OUT_DIR = "exports"
 EXIT_BAD_INPUT = 2
@@ -24,6 +24,7 @@ EXIT_VALIDATION_FAILED = 1
 
 def build_parser() -> argparse.ArgumentParser:
     from export.graphs import GRAPHS
+    from model.hf_pretrained import SUPPORTED_MODEL_TYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m export",
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
     source.add_argument("--from-pretrained", type=Path, metavar="DIR",
                         help="a Hugging Face directory (config.json, model.safetensors, tokenizer.json, sentence-"
-                             "transformers files) of model_type bert, roberta, xlm-roberta or modernbert; a "
+                             f"transformers files) of model_type {', '.join(SUPPORTED_MODEL_TYPES)}; a "
                              "*ForSequenceClassification checkpoint (a cross-encoder, a classifier) is exported with "
                              "its classification head, a sentence-transformers SparseEncoder with its SPLADE head")
     source.add_argument("--minilm", action="store_true",
@@ -77,8 +78,9 @@ def _parse_overrides(pairs: list[str]) -> dict:
     return overrides
 
 
-def _plan(args: argparse.Namespace) -> list[dict]:
-    """One dict of export_model keyword arguments per export to write."""
+def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
+    """One dict of export_model keyword arguments per export to write; files they copy in (a projection's
+    arrays) are written into `scratch`, which must outlive the exports."""
     if (args.encoder_only or args.head) and not args.from_pretrained:
         raise ConfigError("--encoder-only and --head apply to --from-pretrained (a checkpoint with a task head)")
     if args.encoder_only and args.head:
@@ -91,9 +93,9 @@ def _plan(args: argparse.Namespace) -> list[dict]:
         config = pretrained.config
         if args.name:
             config = config.replace(name=args.name)
-        files = {TOKENIZER_FILE: pretrained.tokenizer_file} if pretrained.tokenizer_file else {}
+        files, pooling = pretrained.export_files(scratch)
         return [dict(config=config, model=pretrained.encoder, extra_files=files, tokenizer=pretrained.tokenizer_metadata(),
-                     pooling=pretrained.pooling, task=dict(pretrained.task), prompts=dict(pretrained.prompts),
+                     pooling=pooling, task=dict(pretrained.task), prompts=dict(pretrained.prompts),
                      default_prompt_name=pretrained.default_prompt_name)]
     base = EncoderConfig()
     if args.config:
@@ -152,6 +154,7 @@ def format_summary(results) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from export.exporter import export_model
+    from export.triton import TritonRepoError, check_projection, write_triton_repo
     from export.validate import ExportValidationError
     from model.checkpoint import CheckpointError
     from model.export_format import ExportError
@@ -159,20 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     started = time.perf_counter()
     try:
-        plans = _plan(args)
-        graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip())
-        results = []
-        for plan in plans:
-            results.append(export_model(out_dir=args.out_dir, opset=args.opset, graphs=graphs,
-                                        progress=progress, external_data=args.external_data, **plan))
-            if args.triton_repo:
-                from export.triton import write_triton_repo
-
-                write_triton_repo(results[-1].directory, args.triton_repo)
+        with tempfile.TemporaryDirectory(prefix="export-files-") as scratch:
+            plans = _plan(args, Path(scratch))
+            for plan in plans if args.triton_repo else ():  # refused before any export is written
+                check_projection(plan.get("pooling") or {}, plan["config"].name)
+            graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip())
+            results = []
+            for plan in plans:
+                results.append(export_model(out_dir=args.out_dir, opset=args.opset, graphs=graphs,
+                                            progress=progress, external_data=args.external_data, **plan))
+                if args.triton_repo:
+                    write_triton_repo(results[-1].directory, args.triton_repo)
     except ExportValidationError as exc:
         print(f"error: validation failed: {exc}", file=sys.stderr)
         return EXIT_VALIDATION_FAILED
-    except (ConfigError, ExportError, CheckpointError, FileNotFoundError) as exc:
+    except (ConfigError, ExportError, CheckpointError, TritonRepoError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_summary(results))

@@ -160,8 +160,9 @@ def export_model(
 
     extra_files: name -> source path copied into the directory (e.g. tokenizer.json).
     task: metadata.json's "task" (model/tasks.py); default: task_for(config), {"kind": "embed"} without a head.
-    external_data: every graph's weights in a `<graph file>.data` beside it (model/onnx_files.py);
-    without it, only graphs whose weights exceed onnx_files.EXTERNAL_BYTES (protobuf's 2 GB limit).
+    external_data: every graph's weights as ONNX external data (model/onnx_files.py); without it, only
+    graphs whose weights exceed onnx_files.EXTERNAL_BYTES (protobuf's 2 GB limit). The external tensors
+    of all the graphs end in one file, each distinct tensor once (onnx_files.share_data).
     Raises ExportError (model/export_format.py) for bad requests and
     export.validate.ExportValidationError when a graph does not match PyTorch; in both cases nothing
     is left in out_dir.
@@ -214,15 +215,19 @@ def export_model(
             results.append(GraphResult(name, path, report, time.perf_counter() - started))
             say(f"[{config.name}] {name}: {report.metric} worst {report.worst:.3g} "
                 f"(limit {report.limit:g}) over {report.cases} cases")
+        if any(onnx_files.is_external(r.path) for r in results):
+            say(f"[{config.name}] writing the graphs' external weights to one file, each tensor once")
+            onnx_files.share_data([r.path for r in results])
+        data = {name: {"file": name, "sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
+                for name in dict.fromkeys(f for r in results for f in onnx_files.data_files(r.path))}
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
         metadata = build_metadata(
             contract,
             graphs={r.name: GraphEntry(
                         file=GRAPHS[r.name].file, sha256=sha256_file(r.path), bytes=r.path.stat().st_size,
-                        data=tuple({"file": name, "sha256": sha256_file(r.path.parent / name),
-                                    "bytes": (r.path.parent / name).stat().st_size}
-                                   for name in onnx_files.data_files(r.path)),
+                        data=tuple({**data[name], "tensor_bytes": used}
+                                   for name, used in onnx_files.tensor_bytes(r.path).items()),
                         ir_version=int(onnx.load(str(r.path), load_external_data=False).ir_version),
                         description=GRAPHS[r.name].description, attention_path=GRAPHS[r.name].path,
                         inputs=tuple(s.as_dict() for s in contracts[r.name].inputs),

@@ -13,6 +13,11 @@ the export directory is.
 The model is the same graph the gRPC server runs: the mask choice is an input tensor per row
 (mask_kind, mask_causal, mask_window, mask_step, custom_mask; see docs/export-format.md). Triton's
 dynamic batcher only merges requests whose non-batch dims agree (same padded length).
+
+What the server does after the graph is not in it: an export whose pooled embedding passes through
+sentence-transformers Dense layers (metadata.json "pooling" "dense", model/projection.py) is refused
+(`check_projection`), since a Triton model would answer its `mean_pooled` without them: embeddings its
+owner's model never gives. Serve such an export with `python -m serve`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ BATCH_AXIS = "batch"
 
 class TritonRepoError(ValueError):
     """An export directory or option this writer cannot turn into a Triton model."""
+
+
+def check_projection(pooling: dict, name: str) -> None:
+    """Refuses an export whose embeddings pass through Dense layers after pooling (metadata.json "pooling"
+    "dense"): they are not in the graph, so a Triton model would answer un-projected embeddings."""
+    layers = len(pooling.get("dense") or ())
+    if layers:
+        raise TritonRepoError(f"export {name!r}: pooling.dense has {layers} Dense layer(s) applied after the graph, "
+                              "which a Triton model would not apply; serve it with `python -m serve`")
 
 
 @dataclass(frozen=True)
@@ -152,7 +166,8 @@ def write_triton_repo(
     """Writes `repo_dir/<model_name>/` (replacing an existing one whole) and returns its path.
 
     model_name defaults to the export's name; graph picks a metadata.json "graphs" entry.
-    Raises TritonRepoError for a missing/unknown export, graph or option.
+    Raises TritonRepoError for a missing/unknown export, graph or option, and for an export with a
+    projection after pooling (`check_projection`).
     """
     export_dir = Path(export_dir)
     options = TritonOptions(max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
@@ -164,6 +179,7 @@ def write_triton_repo(
         metadata = read_metadata(export_dir)
     except ExportError as exc:
         raise TritonRepoError(f"{export_dir} is not an export directory: {exc}") from None
+    check_projection(metadata.pooling, metadata.name)
     if graph not in metadata.graphs:
         raise TritonRepoError(f"graph {graph!r} not in {export_dir / METADATA_FILE} "
                               f"(has: {', '.join(metadata.graphs)})")

@@ -6,6 +6,7 @@ The torch-free contract, read by serve/ (which never imports torch) and export/:
   model.attention_paths which graph computes which kinds, at what cost and memory (plan-aware)
   model.signature       the graph's inputs and outputs
   model.export_format   the export directory format (metadata.json)
+  model.projection      sentence-transformers' Dense layers after pooling, as numpy (served beside the graph)
   model.tasks           metadata.json's "task": what a model with a task head is for, how its logits become scores
   model.text            tokenizer helpers (tokenizers + numpy)
 
@@ -14,7 +15,7 @@ layers, stack), model.attention (the attention layer and its paths), model.atten
 arithmetic it shares with model.long_attention, the long-input custom ops), model.masks, model.pooling,
 model.heads (task heads: classification, SPLADE), model.checkpoint (strict loading), model.hf_pretrained
 (Hugging Face directories: the shared loader and its registry of families, one module each: model.hf_bert,
-model.hf_roberta (+ XLM-RoBERTa), model.hf_modernbert, described by model.hf_family) and model.hf_heads
-(their task heads).
+model.hf_roberta (+ XLM-RoBERTa), model.hf_modernbert, described by model.hf_family), model.hf_heads
+(their task heads) and model.hf_dense (sentence-transformers Dense modules after the Pooling).
 
 Imports point one way, torch half -> contract half, with no circle (tests/test_model_halves.py)."""

@@ -1,7 +1,7 @@
 """Hugging Face encoder checkpoints: the shared strict loader and what no family owns. The families
 (each one module with its name map, config reading and ignore lists, `FAMILY`: model/hf_family.py) are
-registered in FAMILIES below; shared: the sentence-transformers settings (pooling, max length, prompts),
-the packaged all-MiniLM-L6-v2 and the tokenizer.
+registered in FAMILIES below; shared: the sentence-transformers settings (pooling, its Dense projection:
+model/hf_dense.py, max length, prompts), the packaged all-MiniLM-L6-v2 and the tokenizer.
 
   load_pretrained(directory)  a directory of one of SUPPORTED_MODEL_TYPES (config.json,
                               model.safetensors or pytorch_model.bin, tokenizer.json and, when present,
@@ -32,10 +32,12 @@ from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
 from model.encoder import Encoder
-from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file
+from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file, write_dense
+from model.hf_dense import ST_DENSE, read_dense_modules
 from model.hf_family import Family
 from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_splade_pooling, check_transformer_task,
                             detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint, with_head)
+from model.projection import Dense
 from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
@@ -52,7 +54,7 @@ TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.", "score.")
 TASK_ARCHITECTURES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
                       "ForMultipleChoice")
 
-# sentence-transformers module types we reproduce; any other module (Dense, ...) would change the
+# sentence-transformers module types we reproduce (Dense: model/hf_dense.py); any other module would change the
 # embedding, so a directory using one is refused.
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 ST_POOLING = "sentence_transformers.models.Pooling"
@@ -67,16 +69,19 @@ ST_POOLING_MODES: Mapping[str, str] = {
 ST_POOLING_MODE_NAMES: Mapping[str, str] = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 # ... and names its modules by their new homes (sentence_transformers.base.modules.transformer.Transformer);
 # a module is known by its class name under the sentence_transformers package.
-_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE, ST_SPLADE_POOLING)}
+ST_MODULES = (ST_TRANSFORMER, ST_POOLING, ST_DENSE, ST_NORMALIZE, ST_SPLADE_POOLING)
+_ST_CLASSES = {name.rsplit(".", 1)[1]: name for name in ST_MODULES}
 _ST_CLASSES["MLMTransformer"] = ST_TRANSFORMER  # a Transformer with transformer_task="fill-mask"
-# The modules after the Transformer, per head (sorted kinds): a Pooling (+ Normalize) for embeddings, a
-# SpladePooling for the sparse head (a SparseEncoder), none for a classification head (a CrossEncoder).
+# The modules after the Transformer, per head (sorted kinds, Dense modules aside: _check_dense_place): a Pooling
+# (+ Normalize) for embeddings, a SpladePooling for the sparse head (a SparseEncoder), none for a classification
+# head (a CrossEncoder).
 ST_LAYOUTS: Mapping[str, tuple[list[str], ...]] = {
     "none": ([ST_POOLING], [ST_NORMALIZE, ST_POOLING]),
     "sparse": ([ST_SPLADE_POOLING],),
     "classification": ([],),
 }
-ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Normalize)", "sparse": "one SpladePooling module (a SparseEncoder)",
+ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Dense modules, + Normalize)",
+                   "sparse": "one SpladePooling module (a SparseEncoder)",
                    "classification": "no other module (a CrossEncoder)"}
 
 
@@ -117,6 +122,8 @@ class PretrainedModel:
     pooling: Mapping[str, Any]  # pooling_settings(...): {"mode": "mean", "normalize": True}
     max_length: int  # tokenizer truncation length (sentence-transformers' max_seq_length)
     task: Mapping[str, Any] = field(default_factory=lambda: dict(EMBED))  # metadata.json's "task" (model/tasks.py)
+    # sentence-transformers Dense modules after the Pooling (model/hf_dense.py), applied to the pooled embedding
+    dense: tuple[Dense, ...] = ()
     # sentence-transformers prompts (read_prompts): name -> text put before a text, and the default one
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
@@ -126,6 +133,16 @@ class PretrainedModel:
         if self.tokenizer_file is None:
             return None
         return TokenizerEntry(TOKENIZER_FILE, sha256_file(self.tokenizer_file), self.max_length)
+
+    def export_files(self, scratch: Path) -> tuple[dict[str, Path], dict[str, Any]]:
+        """(the files an export copies in: tokenizer.json and the projection's .npy files, written into `scratch`;
+        metadata.json's "pooling", with the projection's "dense" entries when it has one)."""
+        files = {TOKENIZER_FILE: self.tokenizer_file} if self.tokenizer_file else {}
+        if not self.dense:
+            return files, dict(self.pooling)
+        entries = write_dense(self.dense, scratch)
+        files.update({f["file"]: Path(scratch) / f["file"] for e in entries for f in (e["weight"], e["bias"]) if f})
+        return files, {**self.pooling, "dense": entries}
 
     def tokenizer(self):
         """A `tokenizers.Tokenizer` truncating to max_length and padding to the batch's longest."""
@@ -249,12 +266,14 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any], 
 
     modules = st_modules(directory)
     kinds = [kind for kind, _ in modules]
-    unknown = [k for k in kinds if k not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE, ST_SPLADE_POOLING)]
+    unknown = [k for k in kinds if k not in ST_MODULES]
     if unknown:
         raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
     layouts = ST_LAYOUTS[head] + ((*ST_LAYOUTS["sparse"], *ST_LAYOUTS["classification"]) if dropped else ())
-    if kinds.count(ST_TRANSFORMER) != 1 or sorted(k for k in kinds if k != ST_TRANSFORMER) not in layouts:
+    others = sorted(k for k in kinds if k not in (ST_TRANSFORMER, ST_DENSE))  # Dense: _check_dense_place
+    if kinds.count(ST_TRANSFORMER) != 1 or others not in layouts:
         raise CheckpointError(f"{modules_file} needs exactly one Transformer and {ST_LAYOUT_NAMES[head]}, has {kinds}")
+    _check_dense_place(modules_file, kinds, head)
     by_type = dict(modules)
     if head != "none":
         check_transformer_task(directory, by_type[ST_TRANSFORMER], head)
@@ -279,13 +298,25 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any], 
     return pooling, length
 
 
+def _check_dense_place(modules_file: Path, kinds: list[str | None], head: str) -> None:
+    """Dense modules, if any, follow the Pooling of an embedding model directly, in one run before any Normalize
+    (Pooling -> Dense -> ... -> Normalize): the order in which the server applies them (serve/core/pooling.py)."""
+    places = [i for i, kind in enumerate(kinds) if kind == ST_DENSE]
+    if not places:
+        return
+    start = kinds.index(ST_POOLING) + 1 if head == "none" and ST_POOLING in kinds else -1
+    if places != list(range(start, start + len(places))):
+        raise CheckpointError(f"{modules_file}: Dense modules must directly follow the Pooling of an embedding model "
+                              f"(Pooling, Dense, ..., Normalize); has {kinds}")
+
+
 def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
                     head: str | None = None) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
-    pooling, max length, task).
+    pooling, max length, task, the Dense projection after pooling).
 
-    The architecture is checked first (config.json alone), so an unknown one is refused by name before any
-    weights are read. The head (model/hf_heads.py detect_head): `head` when given ("sparse" on an MLM
+    The architecture is checked first (config.json alone), then the sentence-transformers modules, so an
+    unknown architecture or module is refused by name before the encoder's weights are read. The head (model/hf_heads.py detect_head): `head` when given ("sparse" on an MLM
     checkpoint), else the one the directory declares (a SparseEncoder's SpladePooling, a
     *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
     not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
@@ -300,9 +331,10 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     config = family.config(hf, name or _default_name(directory), {})
     head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
     with_head(config, hf, head)  # refuses a head config.json cannot describe before any weights are read
-    tensors, weights_file = read_hf_weights(directory)
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
+    dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
+    tensors, weights_file = read_hf_weights(directory)
     source = {
         "format": family.source_format(model_type),
         "directory": str(directory),
@@ -340,6 +372,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         pooling=pooling,
         max_length=max_length,
         task=task_from_checkpoint(directory, hf, config),
+        dense=dense,
         **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )
 

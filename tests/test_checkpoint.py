@@ -278,13 +278,13 @@ def test_unknown_architecture_is_refused_by_name():
 
 def test_unsupported_sentence_transformers_module_is_refused(tiny_bert, tmp_path):
     directory, _ = tiny_bert
-    target = tmp_path / "dense"
+    target = tmp_path / "layer-norm"
     shutil.copytree(directory, target)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+               {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}]
     (target / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(CheckpointError, match="Dense"):
+    with pytest.raises(CheckpointError, match="cannot reproduce.*LayerNorm"):
         load_pretrained(target)
 
 

@@ -39,6 +39,13 @@ def test_no_arguments_means_the_default_config_into_exports_default():
     assert EncoderConfig().name == "default"
 
 
+def test_from_pretrained_help_names_every_registered_model_type():
+    from model.hf_pretrained import SUPPORTED_MODEL_TYPES
+
+    action = next(a for a in build_parser()._actions if "--from-pretrained" in a.option_strings)
+    assert f"model_type {', '.join(SUPPORTED_MODEL_TYPES)};" in action.help
+
+
 def test_export_command_succeeds_and_prints_a_summary_table(written):
     out, proc = written
     assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,5 @@
 """model/ in two halves: the torch-free contract that serve/ and export/ read (config, mask kinds,
-attention paths, signature, export format, text) and the torch reference modules; imports point one
+attention paths, signature, export format, projection, text) and the torch reference modules; imports point one
 way (torch modules -> contract), with no circle anywhere in model/ (function-level imports included)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.subprocess_env import REPO, repo_env
 
-CONTRACT = ("config", "mask_kinds", "attention_paths", "signature", "export_format", "tasks", "text")
+CONTRACT = ("config", "mask_kinds", "attention_paths", "signature", "export_format", "projection", "tasks", "text")
 MODEL = REPO / "model"
 
 

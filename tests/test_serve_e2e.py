@@ -232,7 +232,7 @@ def test_stream_answers_each_request_in_order_and_reports_errors_per_item(client
 def test_model_info_describes_config_graph_masks_limits_and_providers(client):
     info = client.model_info()
     assert info.name == "serve-test" and info.opset == 18 and info.input_kind == "tokens"
-    assert info.d_model == 32 and info.vocab_size == 100 and not info.has_tokenizer
+    assert info.d_model == info.embedding_width == 32 and info.vocab_size == 100 and not info.has_tokenizer
     assert [i.name for i in info.inputs][:2] == ["input_ids", "attention_mask"]
     assert {o.name for o in info.outputs} == {"last_hidden_state", "mean_pooled"}
     assert list(info.mask_kinds) == [k.label for k in MaskKind]

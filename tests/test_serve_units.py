@@ -642,11 +642,13 @@ def test_the_kserve_descriptors_describe_the_v2_service_the_server_registers():
     assert {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"} <= methods
 
 
-def test_serving_never_imports_torch_nor_runs_protoc(serve_export_dir):
-    # grpcio-tools is a build dependency (python -m tools.protogen), not the server's
+def test_serving_never_imports_torch_nor_onnx_nor_runs_protoc(serve_export_dir):
+    # grpcio-tools is a build dependency (python -m tools.protogen), not the server's; onnx is the exporter's
+    # (the serve extra and the image have only onnxruntime)
     code = f"""
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
+sys.modules["onnx"] = None  # and `import onnx`
 sys.modules["grpc_tools"] = None  # and so does any `import grpc_tools` (protoc)
 import serve.assembly.app, client, serve.protocols.encoder_v1, serve.protocols.kserve_v2, serve.protocols.admin, serve.backend.session, serve.core.batcher
 import serve.__main__

@@ -28,6 +28,7 @@ from serve.core.batcher import Batcher
 from serve.config import ServerConfig
 from serve.core.scheduler import Scheduler
 from serve.core.engine import Engine
+from serve.core.pooling import project
 from serve.errors import BackendError
 from serve.backend.export_dir import ExportDir, load_export
 
@@ -48,7 +49,8 @@ def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
 
 
 def probe(backend: Backend, export: ExportDir) -> None:
-    """One real inference at a shape warm-up may not use; refuses wrong shapes or non-finite output."""
+    """One real inference at a shape warm-up may not use, its mean through the projection after pooling (if
+    the export has one); refuses wrong shapes or non-finite output."""
     config = export.config
     rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
@@ -59,7 +61,11 @@ def probe(backend: Backend, export: ExportDir) -> None:
             f"{export.graph_path}: probe inference gave shapes {list(hidden.shape)} / {list(pooled.shape)}, "
             f"metadata.json config says {list(want_hidden)} / {list(want_pooled)}; graph and metadata do not match"
         )
-    if not (np.isfinite(hidden).all() and np.isfinite(pooled).all()):
+    embeddings = project(pooled, export.dense) if head is None else pooled
+    if head is None and embeddings.shape != (rows, export.embedding_width):
+        raise BackendError(f"{export.path}: the projection after pooling gave embeddings of shape "
+                           f"{list(embeddings.shape)}, metadata.json says [{rows}, {export.embedding_width}]")
+    if not (np.isfinite(hidden).all() and np.isfinite(embeddings).all()):
         raise BackendError(f"{export.graph_path}: probe inference produced NaN or infinity")
 
 
@@ -107,6 +113,7 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
         observe=observe, run_cost=run_cost, budget=budget, instances=config.instances, scheduler=scheduler,
+        dense=export.dense,
     )
     engine = Engine(export, backend, batcher, config, name=name, memory_bytes=memory_bytes)  # checks the tokenizer: before any thread starts
     batcher.start()

@@ -1,6 +1,7 @@
 """The export directory as the server sees it: which graphs it serves, read through model/export_format.py
-(metadata.json, graph hashes, the config). Refuses what it cannot serve with a message that says what
-to do, as an `ExportError` that is also a `BackendError` (serve/errors.py maps it at the edge).
+(metadata.json, graph hashes, the config, the projection after pooling: its .npy files, hashes checked).
+Refuses what it cannot serve with a message that says what to do, as an `ExportError` that is also a
+`BackendError` (serve/errors.py maps it at the edge).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from model import export_format
 from model.attention_paths import DENSE, PATHS
 from model.config import EncoderConfig
 from model.export_format import FORMAT, METADATA_FILE, Metadata
+from model.projection import Dense
 from serve.errors import BackendError
 
 
@@ -29,6 +31,8 @@ class ExportDir:
     sha256: str
     # the long-input graphs served beside it: attention path -> file (model/attention_paths.py)
     long_graphs: tuple[tuple[str, Path], ...] = ()
+    # sentence-transformers Dense layers every pooled embedding passes through (metadata.json "pooling" "dense")
+    dense: tuple[Dense, ...] = ()
 
     @property
     def config(self) -> EncoderConfig:
@@ -73,14 +77,22 @@ class ExportDir:
         return str(self.metadata.task.get("output") or "mean_pooled")
 
     @property
+    def embedding_width(self) -> int:
+        """The width of a pooled embedding as clients get it: the projection's output, else d_model."""
+        return self.metadata.embedding_width
+
+    @property
     def default_normalize(self) -> bool:
         return bool(self.metadata.pooling.get("normalize", False))
 
     def file_bytes(self, graph_path: Path) -> int:
-        """A served graph's bytes on disk, with its external weights (metadata.json lists them)."""
+        """A served graph's bytes on disk, with its external weights: the bytes of its own tensors in each
+        data file (metadata.json's "tensor_bytes": an export's graphs share one data file,
+        model/onnx_files.py), or the whole file's for an export that does not record them."""
         entry = next((e for e in self.metadata.graphs.values() if e.file == graph_path.name), None)
         data = entry.data if entry is not None else ()
-        return graph_path.stat().st_size + sum((graph_path.parent / d["file"]).stat().st_size for d in data)
+        return graph_path.stat().st_size + sum(int(d.get("tensor_bytes") or (graph_path.parent / d["file"]).stat().st_size)
+                                               for d in data)
 
     def tokenizer_file(self) -> Path | None:
         """tokenizer.json after checking its sha256, or None when the export has none."""
@@ -114,10 +126,11 @@ def _load(root: Path, graph: str, verify: bool, auto: tuple[str, ...], long_path
         raise ExportError(f"{root / METADATA_FILE}: graph {graph!r} serves only some mask kinds; choose a dense "
                           f"graph ({', '.join(n for n, e in graphs.items() if e.attention_path == DENSE)}); "
                           "long-input graphs are served beside it (--long-paths)")
-    graph_path, actual = metadata.graph_file(root, graph, verify=verify)
+    verified: set[Path] = set()  # data files hashed once, however many graphs share them
+    graph_path, actual = metadata.graph_file(root, graph, verify=verify, verified=verified)
     long_graphs = tuple(
-        (entry.attention_path, metadata.graph_file(root, name, verify=verify)[0])
+        (entry.attention_path, metadata.graph_file(root, name, verify=verify, verified=verified)[0])
         for name, entry in graphs.items()
         if long_paths and entry.attention_path in PATHS and entry.attention_path != DENSE
     )
-    return ExportDir(root, metadata, graph, graph_path, actual, long_graphs)
+    return ExportDir(root, metadata, graph, graph_path, actual, long_graphs, metadata.dense_layers(root, verify=verify))

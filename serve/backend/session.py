@@ -129,6 +129,13 @@ class OnnxRuntimeBackend:
         long_options.graph_optimization_level = options.graph_optimization_level
         long_options.intra_op_num_threads = options.intra_op_num_threads
         long_options.enable_cpu_mem_arena = False
+        # Nor do they pre-pack their weights (MLAS' packed copy of each MatMul's B, made at load and held
+        # per session): the dense session holds its own packed copy, and a long graph's would be a second
+        # one from the start. Unpacked, a long graph reads its weights where ONNX Runtime put them (an
+        # export's external data file is mapped, not read: nothing resident until a long run touches it)
+        # and packs each weight per run, one pass over the weights beside a run of thousands of tokens
+        # (docs/serving.md "Memory").
+        long_options.add_session_config_entry("session.disable_prepacking", "1")
         self.sessions = {DENSE: self.session}
         for path, graph_path in export.long_graphs:
             self.sessions[path] = self._load(ort, graph_path, long_options, providers, device)
@@ -185,10 +192,12 @@ class OnnxRuntimeBackend:
         return hidden, pooled
 
     def warm_up(self, lengths: tuple[int, ...] = (1, 8, 64)) -> float:
-        """Runs a few shapes (every mask kind each path computes) so the first request does not pay
-        for allocation."""
+        """Runs a few shapes on the dense graph (every mask kind it computes) so the first request does not
+        pay for allocation. The long-input graphs stay cold: their runs are long beside that cost, and a
+        warm-up run would make their weights resident (an external data file is mapped, not read: see
+        __init__) before any long request needs them."""
         started = time.perf_counter()
-        for path in self.sessions:
+        for path in (DENSE,):
             kinds = [kind for kind in MaskKind if computes(path, kind, self.config)]
             for length in lengths:
                 length = min(length, self.config.position_limit or length)

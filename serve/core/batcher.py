@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from model.config import EncoderConfig
+from model.projection import Dense
 from serve import logs
 from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
@@ -117,6 +118,7 @@ class Batcher:
         budget: AttentionBudget | None = None,
         instances: int = 1,
         scheduler: Scheduler | None = None,
+        dense: tuple[Dense, ...] = (),
     ) -> None:
         self.backend = backend
         self.config = config
@@ -128,8 +130,9 @@ class Batcher:
         self.run_cost = run_cost
         # bounds a batch's attention memory (each row's path was picked at admission: Rows.paths)
         self.budget = budget
-        # runs a formed batch: paths, runs, padding, the backend, outputs (serve/core/runs.py)
-        self.runner = BatchRunner(backend, config, observe=self._observe, run_cost=run_cost)
+        # runs a formed batch: paths, runs, padding, the backend, outputs (serve/core/runs.py; `dense`: the
+        # projection every pooled embedding passes through, serve/core/pooling.py)
+        self.runner = BatchRunner(backend, config, observe=self._observe, run_cost=run_cost, dense=dense)
         # the server's run slots, shared by every model's batcher (serve/core/scheduler.py); alone: its own
         self.scheduler = scheduler or Scheduler(instances)
         self._queue: collections.deque[Ticket] = collections.deque()

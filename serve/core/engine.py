@@ -50,6 +50,7 @@ class ModelDescription:
     prompts: dict = dataclasses.field(default_factory=dict)
     default_prompt_name: str = ""
     natural_mask: str = "bidirectional"
+    embedding_width: int = 0  # a pooled embedding's width as clients get it: d_model, or the projection's output
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ class Engine:
     def check(self, operation: str, route: str, routes: dict[str, str]) -> None:
         """Refuses `operation` (called as `route`) unless this model's task serves it (serve/core/tasks.py)."""
         tasks.check(self.task, operation, route=route, model=self.name, routes=routes)
+
+    @property
+    def embedding_width(self) -> int:
+        """The width of this model's pooled embeddings as clients get them (after its projection, if any)."""
+        return self.export.embedding_width
 
     @property
     def labels(self) -> list[str]:
@@ -247,5 +253,6 @@ class Engine:
             prompts=dict(meta.prompts),
             default_prompt_name=meta.default_prompt_name or "",
             natural_mask=config.natural_mask,
+            embedding_width=self.embedding_width,
         )
 

@@ -18,6 +18,7 @@ import numpy as np
 from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
+from model.projection import Dense
 from serve.backend.feeds import Rows, pad_batch
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
@@ -28,9 +29,10 @@ from serve.errors import ValidationError
 
 class BatchRunner:
     def __init__(self, backend: Backend, config: EncoderConfig, *, observe: Callable[..., None],
-                 run_cost: RunCost | None = None) -> None:
+                 run_cost: RunCost | None = None, dense: tuple[Dense, ...] = ()) -> None:
         self.backend = backend
         self.config = config
+        self.dense = dense  # the projection after pooling (serve/core/pooling.py project)
         self._observe = observe
         self.run_cost = run_cost  # None: one session.run per path; else length-sorted runs (batch_plan)
         # a session on every CPU for a batch that runs alone (Backend.has_wide; test doubles have none)
@@ -74,7 +76,7 @@ class BatchRunner:
             for ticket, _ in pieces:
                 if progress[ticket].complete and not ticket.done():
                     self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
-                    progress[ticket].finish(provider)
+                    progress[ticket].finish(provider, self.dense)
 
     def _runs(self, batch: list) -> list[tuple[str, list[tuple[object, np.ndarray | None]]]]:
         """The session.runs for `batch`: (path, pieces), a piece being a ticket and the indices of its
@@ -208,13 +210,14 @@ class _Progress:
             pooled[target] = run_pooled[at:at + count]
         return hidden, pooled
 
-    def finish(self, provider: str) -> None:
+    def finish(self, provider: str, dense: tuple[Dense, ...] = ()) -> None:
+        """Answers the ticket: its outputs (serve/core/pooling.py, `dense` the model's projection) or its error."""
         ticket = self.ticket
         if self.error is not None:
             ticket._finish(error=self.error)
             return
         hidden, pooled = self._gathered()
-        hidden_states, embeddings, scores = request_outputs(ticket.request, hidden, pooled, ticket.rows.lengths)
+        hidden_states, embeddings, scores = request_outputs(ticket.request, hidden, pooled, ticket.rows.lengths, dense)
         ticket._finish(EncodeResult(
             request_id=ticket.request.request_id,
             hidden_states=hidden_states,

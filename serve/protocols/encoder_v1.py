@@ -322,4 +322,5 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 default_normalize=d.default_normalize, memory_bytes=d.memory_bytes,
                 task=d.task, labels=list(d.labels), prompts=dict(d.prompts),
                 default_prompt_name=d.default_prompt_name, natural_mask=d.natural_mask,
+                embedding_width=d.embedding_width,
             )

@@ -409,10 +409,11 @@ def model_metadata(engine: Engine):
 
 
 def _row_width(engine: Engine) -> int:
-    """The width of the per-row output: d_model, a head's labels, or the vocabulary."""
+    """The width of the per-row output: the embeddings' (d_model, or the projection's output), a head's labels,
+    or the vocabulary."""
     config = engine.export.config
     if engine.task == "embed":
-        return config.d_model
+        return engine.embedding_width
     return config.vocab_size if engine.task == "sparse" else config.num_labels
 
 

@@ -7,7 +7,8 @@ LangChain's and LlamaIndex's OpenAI embedding classes, infinity, TEI and vLLM sp
             input            a string, a list of strings (the export's tokenizer: texts), a list of
                              token ids, or a list of token-id lists
             encoding_format  "float" (default) | "base64" (little-endian float32, as OpenAI's)
-            dimensions       Matryoshka: keep the first N of d_model values, then re-normalise
+            dimensions       Matryoshka: keep the first N values (of d_model, or of the projection's
+                             output), then re-normalise
             user             ignored
    ours:    pooling ("mean" | "first" | "last"), normalize (default: the export's), truncate, chunk (texts, as
             Encode's), mask ({"kind", "window", "step", "causal"}, as Encode's MaskChoice)
@@ -31,7 +32,7 @@ import orjson
 from model.mask_kinds import MaskKind
 from serve.core.engine import Engine
 from serve.core.metrics import Metrics
-from serve.core.pooling import l2_normalize
+from serve.core.pooling import check_dimensions, truncate_dimensions
 from serve.core.requests import EncodeRequest, MaskChoice
 from serve.errors import ValidationError, quote
 from serve.protocols import http_tasks
@@ -93,7 +94,6 @@ def _mask(value) -> MaskChoice:
 
 def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, int | None]:
     """(our request, the encoding format, dimensions or None); ValidationError naming the field."""
-    export = engine.export
     if "input" not in body:
         raise ValidationError("input: missing; send a string, a list of strings or token-id lists")
     texts, sequences = inputs_of(body["input"])
@@ -101,10 +101,7 @@ def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, i
     if encoding not in ("float", "base64"):
         raise ValidationError(f"encoding_format: {quote(encoding)} is not \"float\" or \"base64\"")
     dimensions = _field(body, "dimensions", (int,), None, "a positive integer")
-    d_model = export.config.d_model
-    if dimensions is not None and not 1 <= dimensions <= d_model:
-        raise ValidationError(f"dimensions: {dimensions} out of range [1, {d_model}] (this model's embeddings "
-                              f"have {d_model})")
+    check_dimensions(dimensions, engine.embedding_width)
     pooling = engine.pooling(_field(body, "pooling", (str,), "", "a string"), embedding=True)
     request = EncodeRequest(
         sequences=sequences, texts=texts, mask=_mask(body.get("mask")), pooling=pooling,
@@ -116,9 +113,7 @@ def request_from_json(body: dict, engine: Engine) -> tuple[EncodeRequest, str, i
 
 
 def response_json(result, name: str, encoding: str, dimensions: int | None) -> bytes:
-    vectors = np.asarray(result.embeddings, np.float32)
-    if dimensions is not None:  # Matryoshka: the first N values, re-normalised
-        vectors = l2_normalize(vectors[:, :dimensions])
+    vectors = truncate_dimensions(np.asarray(result.embeddings, np.float32), dimensions, normalize=True)
     vectors = np.ascontiguousarray(vectors, "<f4")
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(vector.tobytes()).decode() if encoding == "base64" else vector}

@@ -34,7 +34,7 @@ import orjson
 
 from serve.core import tasks
 from serve.core.engine import Engine
-from serve.core.pooling import l2_normalize
+from serve.core.pooling import check_dimensions, truncate_dimensions
 from serve.core.requests import EncodeRequest
 from serve.errors import ValidationError, quote
 from serve.protocols.edge import Call
@@ -105,19 +105,14 @@ class TEIService(TaskRoutes):
 
         def build(engine: Engine) -> EncodeRequest:
             texts, sequences = _inputs(body)
-            d_model = engine.export.config.d_model
             asked["dimensions"] = field(body, "dimensions", (int,), None, "a positive integer")
-            if asked["dimensions"] is not None and not 1 <= asked["dimensions"] <= d_model:
-                raise ValidationError(f"dimensions: {asked['dimensions']} out of range [1, {d_model}]")
+            check_dimensions(asked["dimensions"], engine.embedding_width)
             asked["normalize"] = flag(body, "normalize", True)
             return EncodeRequest(sequences=sequences, texts=texts, pooling=engine.pooling("", embedding=True),
                                  normalize=asked["normalize"], **_text_options(body, engine))
 
         def render(engine: Engine, result) -> bytes:
-            vectors = result.embeddings
-            if asked["dimensions"] is not None:  # Matryoshka: the first N values, re-normalised when asked
-                vectors = vectors[:, : asked["dimensions"]]
-                vectors = l2_normalize(vectors) if asked["normalize"] else np.ascontiguousarray(vectors)
+            vectors = truncate_dimensions(result.embeddings, asked["dimensions"], asked["normalize"])
             return orjson.dumps(vectors, option=_JSON)
 
         self.start(rpc, body, "tei.Embed", build, render, route)
