@@ -138,8 +138,10 @@ def format_summary(results) -> str:
             v = info.validation
             parity = f"{v['metric']} {v['worst']:.2g} <= {v['limit']:g}" if v["metric"] == "max_abs" \
                 else f"{v['metric']} {v['worst']:.6f} >= {v['limit']:g}"
-            size = info.bytes + sum(d["bytes"] for d in info.data)  # with its external weights
-            rows.append((str(graph.path) + (" (+ .data)" if info.data else ""), f"{size / 1e6:.2f} MB", str(meta.opset),
+            # with its own external tensors (the graphs share one data file: model/onnx_files.py share_data)
+            size = info.bytes + sum(d.get("tensor_bytes", d["bytes"]) for d in info.data)
+            data = f" (+ {', '.join(d['file'] for d in info.data)})" if info.data else ""
+            rows.append((str(graph.path) + data, f"{size / 1e6:.2f} MB", str(meta.opset),
                          f"ok ({parity}, {v['cases']} cases)", _dims(meta.inputs), _dims(meta.outputs)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
