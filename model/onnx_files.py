@@ -122,7 +122,6 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
     return used
 
 
-
 def share_data(paths: list[Path]) -> None:
     """Moves the external tensors of the graphs at `paths` (one folder) into SHARED_DATA there, each
     distinct tensor once (equal bytes: one place, whichever graphs refer to it), points every graph at

@@ -197,13 +197,12 @@ class OnnxRuntimeBackend:
         warm-up run would make their weights resident (an external data file is mapped, not read: see
         __init__) before any long request needs them."""
         started = time.perf_counter()
-        for path in (DENSE,):
-            kinds = [kind for kind in MaskKind if computes(path, kind, self.config)]
-            for length in lengths:
-                length = min(length, self.config.position_limit or length)
-                self.encode(dummy_batch(self.config, len(kinds), length, kinds, path), path)
-                if path == DENSE and self.wide is not None:
-                    self.encode(dummy_batch(self.config, len(kinds), length, kinds, path), path, wide=True)
+        kinds = [kind for kind in MaskKind if computes(DENSE, kind, self.config)]
+        for length in lengths:
+            batch = dummy_batch(self.config, len(kinds), min(length, self.config.position_limit or length), kinds)
+            self.encode(batch)
+            if self.wide is not None:
+                self.encode(batch, wide=True)
         return time.perf_counter() - started
 
 
