@@ -1,6 +1,7 @@
 """Hugging Face references built locally at random initialisation (nothing comes from a hub): a
-word-level tokenizer and a ModernBERT embedding model as sentence-transformers saves it. Shared by
-tests/test_hf_families.py and tests/test_modernbert_serving.py."""
+word-level tokenizer and a ModernBERT embedding model as sentence-transformers saves it, and a
+SentenceTransformer saved, exported and served (`export_and_serve`). Shared by the tests of the checkpoint
+families and of sentence-transformers' modules."""
 
 from __future__ import annotations
 
@@ -97,3 +98,15 @@ def openai_embeddings(server, model: str, texts: list[str], **fields) -> np.ndar
     with urllib.request.urlopen(request, timeout=60) as response:
         data = json.loads(response.read())["data"]
     return np.array([item["embedding"] for item in sorted(data, key=lambda d: d["index"])], np.float32)
+
+
+def export_and_serve(model, tmp_path_factory, serve_start, name: str, graphs: str = "fp32"):
+    """`model` (a SentenceTransformer) saved by sentence-transformers, exported (`python -m export
+    --from-pretrained`, `graphs`) and served: (its export directory, its server)."""
+    from export.cli import main as export_main
+
+    directory, out = tmp_path_factory.mktemp(f"{name}-st"), tmp_path_factory.mktemp(f"{name}-export")
+    model.save(str(directory))
+    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", name,
+                        "--graphs", graphs, "--quiet"]) == 0
+    return out / name, serve_start(out / name)

@@ -21,7 +21,7 @@ from model.checkpoint import CheckpointError
 from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.mask_kinds import MaskKind
-from tests.hf_references import WORDS, cosines, openai_embeddings, redraw
+from tests.hf_references import WORDS, cosines, export_and_serve, openai_embeddings, redraw
 
 ATOL = 1e-4  # hidden states at real positions, max abs
 TELLING = 1e-2  # a wrong mask or a missing part moves the hidden states by more than this at this scale
@@ -185,18 +185,14 @@ def qwen3_embedding(tmp_path_factory, serve_start):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer, vocab_size = eos_tokenizer()
-    base, directory = tmp_path_factory.mktemp("qwen3-base"), tmp_path_factory.mktemp("qwen3-embedding")
+    base = tmp_path_factory.mktemp("qwen3-base")
     reference_model("qwen3", seed=3, vocab_size=vocab_size, pad_token_id=0).save_pretrained(str(base))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]",
                             padding_side="left").save_pretrained(str(base))  # as Qwen3-Embedding pads: left
     transformer = st_models.Transformer(str(base), max_seq_length=256, model_kwargs={"attn_implementation": "eager"})
     model = SentenceTransformer(modules=[transformer, st_models.Pooling(QWEN3["hidden_size"], "lasttoken"),
                                          st_models.Normalize()], prompts=PROMPTS, device="cpu")
-    model.save(str(directory))
-    out = tmp_path_factory.mktemp("qwen3-export")
-    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", "qwen3-embedding",
-                        "--graphs", "fp32", "--quiet"]) == 0
-    return model, serve_start(out / "qwen3-embedding")
+    return model, export_and_serve(model, tmp_path_factory, serve_start, "qwen3-embedding")[1]
 
 
 def test_the_export_declares_last_token_pooling_normalisation_the_prompts_and_the_causal_mask(qwen3_embedding):

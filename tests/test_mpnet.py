@@ -21,7 +21,7 @@ from model.config import ConfigError, EncoderConfig
 from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.masks import default_mask_inputs
-from tests.hf_references import WORDS, cosines, openai_embeddings, redraw, word_tokenizer
+from tests.hf_references import WORDS, cosines, export_and_serve, openai_embeddings, redraw, word_tokenizer
 
 ATOL = 1e-4  # hidden states at real positions, max abs
 TELLING = 1e-2  # a missing part moves the hidden states by more than this at this scale
@@ -234,7 +234,7 @@ def mpnet_embedding(tmp_path_factory, serve_start):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer, vocab_size = word_tokenizer(MPNET_SPECIALS, "<s>", "</s>", "<unk>", pair_separator="</s>")
-    base, directory = tmp_path_factory.mktemp("mpnet-base"), tmp_path_factory.mktemp("mpnet-embedding")
+    base = tmp_path_factory.mktemp("mpnet-base")
     reference_model(seed=3, vocab_size=vocab_size).save_pretrained(str(base))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", cls_token="<s>",
                             sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
@@ -243,11 +243,7 @@ def mpnet_embedding(tmp_path_factory, serve_start):
                                         model_kwargs={"attn_implementation": "eager"})
     model = SentenceTransformer(modules=[transformer, st_models.Pooling(MPNET["hidden_size"], "mean"),
                                          st_models.Normalize()], device="cpu")
-    model.save(str(directory))
-    out = tmp_path_factory.mktemp("mpnet-embedding-export")
-    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", "all-mpnet",
-                        "--graphs", "fp32,optimized", "--quiet"]) == 0
-    return model, serve_start(out / "all-mpnet")
+    return model, export_and_serve(model, tmp_path_factory, serve_start, "all-mpnet", graphs="fp32,optimized")[1]
 
 
 def test_the_export_declares_mean_pooling_normalisation_and_the_max_length(mpnet_embedding):

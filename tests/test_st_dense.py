@@ -21,7 +21,7 @@ from export.triton import TritonRepoError, write_triton_repo
 from model.checkpoint import CheckpointError
 from model.export_format import read_metadata, sha256_file
 from model.hf_pretrained import load_pretrained
-from tests.hf_references import WORDS, cosines, openai_embeddings, redraw, word_tokenizer
+from tests.hf_references import WORDS, cosines, export_and_serve, openai_embeddings, redraw, word_tokenizer
 from tests.test_decoder_families import GEMMA3, gemma3_reference
 
 MIN_COSINE = 0.99999
@@ -61,16 +61,6 @@ def sentence_transformer(base, max_seq_length: int, *projection):
                                         model_kwargs={"attn_implementation": "eager"})
     return SentenceTransformer(modules=[transformer, st_models.Pooling(D, "mean"), *projection, st_models.Normalize()],
                                device="cpu")
-
-
-def export_and_serve(model, tmp_path_factory, serve_start, name: str):
-    """`model` saved by sentence-transformers, exported (`python -m export --from-pretrained`) and served:
-    (its export directory, its server)."""
-    directory, out = tmp_path_factory.mktemp(f"{name}-st"), tmp_path_factory.mktemp(f"{name}-export")
-    model.save(str(directory))
-    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", name,
-                        "--graphs", "fp32", "--quiet"]) == 0
-    return out / name, serve_start(out / name)
 
 
 @pytest.fixture(scope="module")
