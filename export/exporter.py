@@ -218,16 +218,16 @@ def export_model(
         if any(onnx_files.is_external(r.path) for r in results):
             say(f"[{config.name}] writing the graphs' external weights to one file, each tensor once")
             onnx_files.share_data([r.path for r in results])
+        used = {r.name: onnx_files.tensor_bytes(r.path) for r in results}  # per graph: data file -> its tensors' bytes
         data = {name: {"file": name, "sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
-                for name in dict.fromkeys(f for r in results for f in onnx_files.data_files(r.path))}
+                for name in dict.fromkeys(f for files in used.values() for f in files)}  # each shared file hashed once
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
         metadata = build_metadata(
             contract,
             graphs={r.name: GraphEntry(
                         file=GRAPHS[r.name].file, sha256=sha256_file(r.path), bytes=r.path.stat().st_size,
-                        data=tuple({**data[name], "tensor_bytes": used}
-                                   for name, used in onnx_files.tensor_bytes(r.path).items()),
+                        data=tuple({**data[name], "tensor_bytes": n} for name, n in used[r.name].items()),
                         ir_version=int(onnx.load(str(r.path), load_external_data=False).ir_version),
                         description=GRAPHS[r.name].description, attention_path=GRAPHS[r.name].path,
                         inputs=tuple(s.as_dict() for s in contracts[r.name].inputs),

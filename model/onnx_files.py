@@ -115,8 +115,8 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
     records them in metadata.json (each data entry's "tensor_bytes"): the server, which has no onnx,
     sizes a graph by them."""
     proto = onnx.load(str(path), load_external_data=False)
-    places = {_external(t) for t in _tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL}
-    used: dict[str, int] = {}
+    places = dict.fromkeys(_external(t) for t in _tensors(proto.graph) if t.data_location == onnx.TensorProto.EXTERNAL)
+    used: dict[str, int] = {}  # in the order the graph first names each file, as data_files
     for location, _, length in places:
         used[location] = used.get(location, 0) + length
     return used
