@@ -72,7 +72,7 @@ def build_request(
     sequences: Sequence, *, mask: str | MaskKind | None = None, causal: bool = False, window: int = 0,
     step: int = 0, custom: np.ndarray | None = None, hidden_states: bool = False, pooling: str | None = None,
     normalize: bool | None = None, request_id: str = "", texts: Sequence[str] = (), truncate: bool = False,
-    chunk: bool = False, prompt_name: str | None = None,
+    chunk: bool = False, prompt_name: str | None = None, dimensions: int | None = None,
 ) -> "pb.EncodeRequest":
     """An EncodeRequest of token-id / feature `sequences`, or of `texts` (send one of the two). `mask` None
     (and no causal / window / step / custom): no mask is sent, so the model's natural mask applies."""
@@ -96,6 +96,8 @@ def build_request(
         msg.mask.custom.CopyFrom(from_numpy(np.asarray(custom, bool)))
     if normalize is not None:
         msg.output.normalize = normalize
+    if dimensions is not None:  # Matryoshka: the first N values of each embedding
+        msg.output.dimensions = dimensions
     if prompt_name is not None:  # one of the model's prompts (GetModelInfo prompts), put before each text
         msg.prompt_name = prompt_name
     return msg

@@ -122,6 +122,23 @@ def bert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()
     return bert_layout_config(hf, name, source)
 
 
+# BERT's task heads: the pooler + classifier of *ForSequenceClassification, the MLM head (cls.predictions) that
+# SPLADE reads (its decoder bias is stored twice: either name, or both when equal).
+BERT_HEADS: Mapping[str, Mapping[str, str]] = {
+    "classification": {"pooler.dense": "head.dense", "classifier": "head.out"},
+    "sparse": {"cls.predictions.transform.dense": "head.dense", "cls.predictions.transform.LayerNorm": "head.norm",
+               "cls.predictions.decoder": "head.out", "cls.predictions": "head.out"},
+}
+
+
+def bert_head_config(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+    """The classifier: BERT's pooler (the first token, dense, tanh, no norm); the MLM transform: dense, hidden_act
+    (checked with the encoder's), LayerNorm."""
+    if head == "classification":
+        return dict(head_pooling="cls", head_activation="tanh", head_norm=False, head_bias=True, head_out_bias=True)
+    return dict(head_activation=hf.get("hidden_act", "gelu"), head_norm=True, head_bias=True, head_out_bias=True)
+
+
 FAMILY = Family(
     model_types=("bert",),
     prefix=BERT_PREFIX,
@@ -130,4 +147,6 @@ FAMILY = Family(
     name_in_checkpoint=encoder_to_bert_name,
     ignored_names=BERT_IGNORED_NAMES,
     ignored_prefixes=BERT_IGNORED_PREFIXES,
+    heads=BERT_HEADS,
+    head_config=bert_head_config,
 )

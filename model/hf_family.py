@@ -1,7 +1,8 @@
 """One Hugging Face checkpoint family as data: `Family`, what the shared strict loader
-(model/hf_pretrained.py) needs to know of it. Each family is one module exporting `FAMILY`
-(model/hf_bert.py, model/hf_roberta.py, model/hf_modernbert.py); the registry, the one tuple of them,
-is hf_pretrained.FAMILIES. Adding a family is one new module and one entry there.
+(model/hf_pretrained.py) needs to know of it, its task heads included. Each family is one module exporting
+`FAMILY` (model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py, hf_qwen.py, hf_gemma3.py); the
+registry, the one tuple of them, is hf_pretrained.FAMILIES. Adding a family is one new module and one entry
+there.
 
 Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
 `require`, `encoder_config`).
@@ -10,7 +11,7 @@ Also here: what the families' name maps and config readers share (`OUR_LAYER_NAM
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -40,6 +41,13 @@ class Family:
     # checkpoint tensors knowingly not used (prefix stripped): buffers, pretraining heads
     ignored_names: tuple[str, ...] = ()
     ignored_prefixes: tuple[str, ...] = ()
+    # The family's task heads (model/heads.py; the shared loading: model/hf_heads.py): head kind
+    # ("classification", "sparse") -> checkpoint module (after the prefix) -> ours. Suffixes (.weight / .bias; old
+    # BERT LayerNorms' .gamma / .beta) carry over; two modules naming one of ours are transformers' tied copies.
+    heads: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # (config.json, head kind) -> the EncoderConfig head fields of the family's head (its activation, norm,
+    # biases, pooling); a CheckpointError naming what it cannot compute
+    head_config: Callable[[Mapping[str, Any], str], dict[str, Any]] | None = None
 
     @staticmethod
     def source_format(model_type: str) -> str:

@@ -1,6 +1,9 @@
-"""Hugging Face task heads (model/heads.py), per family, as data: which checkpoint tensors make each head,
-which config.json keys set it up, and the sentence-transformers files that declare one. model/hf_pretrained.py
-loads the encoder and calls in here for the head.
+"""Hugging Face task heads (model/heads.py): how a head is loaded, whatever its family. Each family's own heads
+(which checkpoint modules make each head, which config.json keys set it up) are in its family file
+(`Family.heads`, `Family.head_config`: model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py); here,
+what they share: which head a directory declares, its tensors in our names, the sentence-transformers files
+that declare one, and the task metadata.json records. model/hf_pretrained.py loads the encoder and calls in
+here for the head.
 
   classification  a *ForSequenceClassification checkpoint (a cross-encoder, a classifier; sentence-transformers'
                   CrossEncoder saves one), loaded strictly: every head tensor is used
@@ -21,33 +24,14 @@ from typing import Any, Mapping
 import torch
 
 from model.checkpoint import CheckpointError
-from model.config import HEAD_POOLINGS, ConfigError, EncoderConfig
-from model.tasks import TaskError, score_activation, task_for
+from model.config import ConfigError, EncoderConfig
+from model.hf_family import Family
+from model.tasks import TaskError, default_labels, score_activation, task_for
 
-# Family of each model_type, as the head tables below know it.
-HEAD_FAMILIES: Mapping[str, str] = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
-                                    "modernbert": "modernbert",
-                                    "mpnet": "roberta"}  # MPNet's classifier / lm_head: RoBERTa's, same names
-# (family, head) -> checkpoint module (names after the family's encoder prefix, "bert." ..., is stripped) -> ours.
-# Suffixes (.weight / .bias; old BERT LayerNorms' .gamma / .beta) carry over. Two modules naming one of ours are
-# transformers' tied copies (cls.predictions.bias = cls.predictions.decoder.bias): either, or both when equal.
-HEAD_MODULES: Mapping[tuple[str, str], Mapping[str, str]] = {
-    ("bert", "classification"): {"pooler.dense": "head.dense", "classifier": "head.out"},
-    ("roberta", "classification"): {"classifier.dense": "head.dense", "classifier.out_proj": "head.out"},
-    ("modernbert", "classification"): {"head.dense": "head.dense", "head.norm": "head.norm", "classifier": "head.out"},
-    ("bert", "sparse"): {"cls.predictions.transform.dense": "head.dense", "cls.predictions.transform.LayerNorm": "head.norm",
-                         "cls.predictions.decoder": "head.out", "cls.predictions": "head.out"},
-    ("roberta", "sparse"): {"lm_head.dense": "head.dense", "lm_head.layer_norm": "head.norm",
-                            "lm_head.decoder": "head.out", "lm_head": "head.out"},
-    ("modernbert", "sparse"): {"head.dense": "head.dense", "head.norm": "head.norm", "decoder": "head.out"},
-}
 # The MLM decoder's weight (ours) and what it is tied to (ours): the word embeddings.
 TIED_DECODER = ("head.out.weight", "embeddings.tokens.weight")
 _SUFFIXES = {"weight": "weight", "bias": "bias", "gamma": "weight", "beta": "bias"}
 
-# transformers' activation names we compute exactly, for ModernBERT's classifier_activation ("gelu" is the erf
-# GELU); the tanh approximations (gelu_new, gelu_pytorch_tanh, ...) are refused, as hidden_act is.
-HF_HEAD_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu", "tanh": "tanh"}
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
 # sentence-transformers modules of the heads (by class name; old and new homes alike, see hf_pretrained._module_kind).
@@ -55,10 +39,6 @@ ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
 # SpladePooling settings we compute; any other is refused naming it.
 SPLADE_SETTINGS: Mapping[str, str] = {"pooling_strategy": "max", "activation_function": "relu"}
 CROSS_ENCODER_TASK = "sequence-classification"  # sentence_bert_config.json's transformer_task of a CrossEncoder
-
-
-def _family(model_type: str) -> str:
-    return HEAD_FAMILIES[model_type]
 
 
 def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: str | None, drop_head: bool) -> str:
@@ -76,40 +56,24 @@ def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: st
     return "none"
 
 
-def head_fields(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+def head_fields(family: Family, hf: Mapping[str, Any], head: str) -> dict[str, Any]:
     """EncoderConfig head fields for the family's head (model/heads.py), from config.json."""
     if head == "none":
         return {}
-    family = _family(hf["model_type"])
-    fields: dict[str, Any] = {"head": head}
-    if family == "modernbert":  # head.dense (classifier_bias) -> classifier_activation -> head.norm
-        act = hf.get("classifier_activation", "gelu")
-        if act not in HF_HEAD_ACTIVATIONS:
-            raise CheckpointError(f"classifier_activation {act!r} is not supported; expected one of "
-                                  f"{', '.join(HF_HEAD_ACTIVATIONS)} (the tanh GELU approximations are not exact)")
-        fields.update(head_activation=HF_HEAD_ACTIVATIONS[act], head_norm=True,
-                      head_bias=bool(hf.get("classifier_bias", False)),
-                      head_out_bias=True if head == "classification" else bool(hf.get("decoder_bias", True)))
-        pooling = hf.get("classifier_pooling", "cls")  # mean: over valid tokens, as ours
-        if head == "classification" and pooling not in HEAD_POOLINGS:
-            raise CheckpointError(f"classifier_pooling {pooling!r} is not supported; expected one of "
-                                  f"{', '.join(HEAD_POOLINGS)}")
-        if head == "classification":
-            fields["head_pooling"] = pooling
-    elif head == "classification":  # BERT's pooler, RoBERTa's classifier.dense: tanh, no norm
-        fields.update(head_pooling="cls", head_activation="tanh", head_norm=False, head_bias=True, head_out_bias=True)
-    else:  # the MLM transform: BERT's with hidden_act (checked with the encoder's), RoBERTa's lm_head with gelu
-        act = hf.get("hidden_act", "gelu") if family == "bert" else "gelu"
-        fields.update(head_activation=act, head_norm=True, head_bias=True, head_out_bias=True)
+    if head not in family.heads or family.head_config is None:
+        raise CheckpointError(f"model_type {hf.get('model_type')!r} has no {head} head here; its family exports "
+                              f"{', '.join(family.heads) or 'no task head'}")
+    fields: dict[str, Any] = {"head": head, **family.head_config(hf, head)}
     if head == "classification":
         fields["num_labels"] = len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
     return fields
 
 
-def with_head(config: EncoderConfig, hf: Mapping[str, Any], head: str) -> EncoderConfig:
+def with_head(config: EncoderConfig, family: Family, hf: Mapping[str, Any], head: str) -> EncoderConfig:
     """`config` with the head's fields (head_fields); a CheckpointError naming what does not fit."""
+    fields = head_fields(family, hf, head)
     try:
-        return config.replace(**head_fields(hf, head))
+        return config.replace(**fields)
     except ConfigError as exc:
         raise CheckpointError(f"config.json does not describe a valid {head} head: {exc}") from exc
 
@@ -125,15 +89,15 @@ class HeadTensors:
     unused: list[str] = field(default_factory=list)
 
 
-def map_head_tensors(model_type: str, head: str, tensors: Mapping[str, torch.Tensor], names: list[str],
+def map_head_tensors(family: Family, head: str, tensors: Mapping[str, torch.Tensor], names: list[str],
                      prefix: str, encoder: Mapping[str, torch.Tensor], encoder_names: Mapping[str, str]) -> HeadTensors:
-    """The head's tensors among `names` (checkpoint names the encoder did not take), by HEAD_MODULES; the
+    """The head's tensors among `names` (checkpoint names the encoder did not take), by the family's heads; the
     decoder weight, when the checkpoint has none, from the word embeddings it is tied to (`encoder`: the
     encoder's tensors in our names, `encoder_names`: their checkpoint names)."""
     found = HeadTensors()
     if head == "none":
         return found
-    modules = HEAD_MODULES[(_family(model_type), head)]
+    modules = family.heads[head]
     for name in names:
         bare = name[len(prefix):] if name.startswith(prefix) else name
         module, _, suffix = bare.rpartition(".")
@@ -153,12 +117,12 @@ def map_head_tensors(model_type: str, head: str, tensors: Mapping[str, torch.Ten
     return found
 
 
-def head_name_in_checkpoint(model_type: str, head: str, name: str) -> str | None:
+def head_name_in_checkpoint(family: Family, head: str, name: str) -> str | None:
     """The checkpoint's name of one of our head tensors (for messages about tensors a checkpoint lacks)."""
     if head == "none" or not name.startswith("head."):
         return None
     module, _, suffix = name.rpartition(".")
-    theirs = [m for m, ours in HEAD_MODULES[(_family(model_type), head)].items() if ours == module]
+    theirs = [m for m, ours in family.heads[head].items() if ours == module]
     return " or ".join(f"{m}.{suffix}" for m in theirs) or None
 
 
@@ -204,7 +168,7 @@ def task_from_checkpoint(directory: Path, hf: Mapping[str, Any], config: Encoder
         if config.head != "classification":
             return task_for(config)
         id2label = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
-        labels = [id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
+        labels = [id2label.get(i, name) for i, name in enumerate(default_labels(config.num_labels))]
         activation = score_activation(config.num_labels, activation_fn=cross_encoder_activation_fn(directory, hf),
                                       problem_type=hf.get("problem_type"))
         return task_for(config, labels=labels, activation=activation)

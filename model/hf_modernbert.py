@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from model.checkpoint import CheckpointError
-from model.config import EncoderConfig
+from model.config import HEAD_POOLINGS, EncoderConfig
 from model.hf_family import OUR_LAYER_NAME, Family, Mapped, checkpoint_name, encoder_config, require, sliding_layers
 
 MODERNBERT_TYPE = "modernbert"
@@ -131,6 +131,34 @@ def modernbert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any
     )
 
 
+# ModernBERT's task heads: head.dense -> classifier_activation -> head.norm, then the classifier (or the MLM
+# decoder); the pooling of its classifier is config.json's classifier_pooling.
+MODERNBERT_HEADS: Mapping[str, Mapping[str, str]] = {
+    "classification": {"head.dense": "head.dense", "head.norm": "head.norm", "classifier": "head.out"},
+    "sparse": {"head.dense": "head.dense", "head.norm": "head.norm", "decoder": "head.out"},
+}
+# transformers' activation names we compute exactly, for classifier_activation ("gelu" is the erf GELU); the tanh
+# approximations (gelu_new, gelu_pytorch_tanh, ...) are refused, as hidden_act is.
+MODERNBERT_HEAD_ACTIVATIONS: Mapping[str, str] = {"gelu": "gelu", "relu": "relu", "tanh": "tanh"}
+
+
+def modernbert_head_config(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+    act = hf.get("classifier_activation", "gelu")
+    if act not in MODERNBERT_HEAD_ACTIVATIONS:
+        raise CheckpointError(f"classifier_activation {act!r} is not supported; expected one of "
+                              f"{', '.join(MODERNBERT_HEAD_ACTIVATIONS)} (the tanh GELU approximations are not exact)")
+    fields = dict(head_activation=MODERNBERT_HEAD_ACTIVATIONS[act], head_norm=True,
+                  head_bias=bool(hf.get("classifier_bias", False)),
+                  head_out_bias=True if head == "classification" else bool(hf.get("decoder_bias", True)))
+    if head == "classification":
+        pooling = hf.get("classifier_pooling", "cls")  # mean: over valid tokens, as ours
+        if pooling not in HEAD_POOLINGS:
+            raise CheckpointError(f"classifier_pooling {pooling!r} is not supported; expected one of "
+                                  f"{', '.join(HEAD_POOLINGS)}")
+        fields["head_pooling"] = pooling
+    return fields
+
+
 FAMILY = Family(
     model_types=(MODERNBERT_TYPE,),
     prefix=MODERNBERT_PREFIX,
@@ -138,4 +166,6 @@ FAMILY = Family(
     to_encoder=modernbert_to_encoder,
     name_in_checkpoint=encoder_to_modernbert_name,
     ignored_prefixes=MODERNBERT_IGNORED_PREFIXES,
+    heads=MODERNBERT_HEADS,
+    head_config=modernbert_head_config,
 )

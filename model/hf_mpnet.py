@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
+from model import hf_roberta
 from model.hf_bert import BERT_ACTIVATIONS, BERT_EMBEDDING_NAMES, BERT_LAYER_MODULES
 from model.hf_family import Family, encoder_config, require, table_maps
 
@@ -91,4 +92,6 @@ FAMILY = Family(
     name_in_checkpoint=encoder_to_mpnet_name,
     ignored_names=MPNET_IGNORED_NAMES,
     ignored_prefixes=MPNET_IGNORED_PREFIXES,
+    heads=hf_roberta.ROBERTA_HEADS,  # MPNet's classifier and lm_head have RoBERTa's names
+    head_config=hf_roberta.roberta_head_config,
 )

@@ -11,7 +11,7 @@ model/hf_dense.py, max length, prompts), the packaged all-MiniLM-L6-v2 and the t
 Weights are loaded strictly by model/checkpoint.py (`fit_encoder`); the only checkpoint tensors dropped
 are on the family's short, explicit ignore lists. No transformers at run time. A task head (a
 *ForSequenceClassification checkpoint, a sentence-transformers SparseEncoder, `head="sparse"` on an MLM
-checkpoint) is loaded with the encoder, by model/hf_heads.py's tables.
+checkpoint) is loaded with the encoder, by its family's head tables (model/hf_heads.py loads them).
 
   bert                 model/hf_bert.py
   roberta, xlm-roberta model/hf_roberta.py
@@ -330,7 +330,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     family = family_for(model_type, hf.get("architectures") or [])
     config = family.config(hf, name or _default_name(directory), {})
     head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
-    with_head(config, hf, head)  # refuses a head config.json cannot describe before any weights are read
+    with_head(config, family, hf, head)  # refuses a head config.json cannot describe before any weights are read
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
@@ -344,7 +344,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_names(tensors, family)
-    found = map_head_tensors(model_type, head, tensors, ignored, family.prefix, ours, back)
+    found = map_head_tensors(family, head, tensors, ignored, family.prefix, ours, back)
     ours, back, unused = {**ours, **found.ours}, {**back, **found.back}, unused + found.unused
     ignored = [n for n in ignored if n not in found.seen]
     heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
@@ -360,9 +360,9 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     if heads or tasks:
         source["dropped_head"] = heads
     source["ignored_tensors"] = ignored
-    config = with_head(family.config(hf, config.name, source), hf, head)
+    config = with_head(family.config(hf, config.name, source), family, hf, head)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
-                          name_in_checkpoint=lambda n: (head_name_in_checkpoint(model_type, head, n)
+                          name_in_checkpoint=lambda n: (head_name_in_checkpoint(family, head, n)
                                                         or family.name_in_checkpoint(n)))
     tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(

@@ -1,6 +1,7 @@
 """The RoBERTa family: model_type roberta and xlm-roberta. BERT's layers and names (model/hf_bert.py);
 positions numbered from pad_token_id + 1 (RoBERTa's position ids: config position_ids="after_padding"),
-one token type, task models under "roberta.", the MLM head under "lm_head.".
+one token type, task models under "roberta.", the MLM head under "lm_head.", the classifier under
+"classifier." (its heads: ROBERTA_HEADS).
 
 Loaded by the shared strict loader (model/hf_pretrained.py) through `FAMILY`.
 """
@@ -31,6 +32,22 @@ def roberta_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] =
     return bert_layout_config(hf, name, source, position_ids="after_padding")
 
 
-# BERT's family but for the model_types, the task models' prefix, the config reading and the ignore prefixes.
+# RoBERTa's task heads: classifier.dense + out_proj (no pooler), the MLM head under lm_head.
+ROBERTA_HEADS: Mapping[str, Mapping[str, str]] = {
+    "classification": {"classifier.dense": "head.dense", "classifier.out_proj": "head.out"},
+    "sparse": {"lm_head.dense": "head.dense", "lm_head.layer_norm": "head.norm", "lm_head.decoder": "head.out",
+               "lm_head": "head.out"},
+}
+
+
+def roberta_head_config(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+    """The classifier as BERT's (first token, dense, tanh); lm_head's transform: dense, exact GELU, LayerNorm."""
+    if head == "classification":
+        return hf_bert.bert_head_config(hf, head)
+    return dict(head_activation="gelu", head_norm=True, head_bias=True, head_out_bias=True)
+
+
+# BERT's family but for the model_types, the task models' prefix, the config reading, the ignore prefixes and
+# the heads.
 FAMILY = replace(hf_bert.FAMILY, model_types=ROBERTA_TYPES, prefix=ROBERTA_PREFIX, config=roberta_config,
-                 ignored_prefixes=ROBERTA_IGNORED_PREFIXES)
+                 ignored_prefixes=ROBERTA_IGNORED_PREFIXES, heads=ROBERTA_HEADS, head_config=roberta_head_config)

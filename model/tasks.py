@@ -50,6 +50,16 @@ def score_activation(num_labels: int, *, activation_fn: str | None = None, probl
     return "sigmoid" if num_labels == 1 else "softmax"
 
 
+def default_labels(num_labels: int) -> list[str]:
+    """The label names of a head whose checkpoint names none: LABEL_0, LABEL_1, ... (transformers' default)."""
+    return [f"LABEL_{i}" for i in range(num_labels)]
+
+
+def labels_of(task: Mapping[str, Any], num_labels: int) -> list[str]:
+    """A task's label names in the order of its logits: its own, else `default_labels`."""
+    return [str(v) for v in task.get("labels") or ()] or default_labels(num_labels)
+
+
 def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None) -> dict:
     """The "task" of a model with `config`: labels default to LABEL_0, LABEL_1, ... and the activation to
     score_activation(num_labels)."""
@@ -58,7 +68,7 @@ def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, acti
         return dict(EMBED)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
-    labels = [f"LABEL_{i}" for i in range(config.num_labels)] if labels is None else [str(v) for v in labels]
+    labels = default_labels(config.num_labels) if labels is None else [str(v) for v in labels]
     return check_task({"kind": "rerank" if config.num_labels == 1 else "classify", "output": head[0],
                        "labels": labels, "activation": activation or score_activation(config.num_labels),
                        "pair": True}, config)

@@ -132,10 +132,20 @@ def test_only_requested_outputs_are_returned(v2):
     assert result.as_numpy("embeddings").shape == (1, 32)
 
 
+def test_dimensions_keep_the_first_values_of_the_embeddings_as_encode_does(v2, encoder):
+    ids = np.array([[1, 2, 3, 4]], np.int64)
+    cut = infer(v2, ids, outputs=("embeddings",), dimensions=8, normalize=True).as_numpy("embeddings")
+    full = encoder.encode([ids[0]], normalize=True).embeddings
+    assert cut.shape == (1, 8)
+    np.testing.assert_allclose(cut, full[:, :8] / np.linalg.norm(full[:, :8], axis=1, keepdims=True),
+                               atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("params,match", [
     ({"mask_kind": "zigzag"}, "mask_kind"),
     ({"mask_kind": "sliding_window", "window": 10_000}, "window"),
     ({"pooling": "max"}, "pooling"),
+    ({"dimensions": 33}, r"dimensions: 33 out of range \[1, 32\]"),
 ])
 def test_bad_parameters_are_invalid_argument(v2, params, match):
     with pytest.raises(InferenceServerException, match=match) as info:

@@ -313,7 +313,7 @@ def test_admin_service_lists_unloads_loads_and_reloads_models_by_name(both_loade
     ("/v2/repository/models/nope/unload", b"", 404, "model 'nope' is not loaded; loaded: 'a', 'b'"),
     ("/v2/repository/models/a/load", b'{"parameters": {"config": "{}"}}', 501, "override config or files"),
     ("/v2/repository/models/a/unload", b'{"parameters": {"force": true}}', 400, "unknown parameter 'force'"),
-    ("/v2/repository/index", b'{"ready": "yes"}', 400, "ready: 'yes' must be true or false"),
+    ("/v2/repository/index", b'{"ready": "yes"}', 400, "ready: expected true or false, got 'yes'"),
     ("/v2/repository/index", b"[", 400, "not valid JSON"),
 ], ids=["load-unknown", "unload-not-loaded", "load-config", "unload-unknown-parameter", "index-ready", "bad-json"])
 def test_repository_rest_errors_are_v2_error_bodies_with_the_mapped_status(both_loaded, path, body, status, message):

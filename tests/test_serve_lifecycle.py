@@ -217,32 +217,57 @@ def test_a_changed_graph_is_refused_at_startup(serve_export_dir, tmp_path):
     assert "does not match metadata.json" in result.stderr
 
 
-def test_sigterm_with_a_drain_delay_reports_not_ready_while_it_still_serves(serve_start, serve_export_dir):
-    """--drain-delay-s: on SIGTERM readiness turns (gRPC health NOT_SERVING, HTTP /v2/health/ready 503)
-    while calls are still admitted and answered, so a balancer ejects the replica before it refuses any."""
-    import json
-    import signal
+def _readiness(server, model: str) -> dict[str, bool]:
+    """Every surface's answer to "is this replica ready?": gRPC health, KServe v2 gRPC ServerReady and ModelReady,
+    KServe v2 REST /v2/health/ready and /v2/models/<model>/ready, and HTTP /health."""
     import urllib.error
     import urllib.request
 
-    server = serve_start(serve_export_dir, "--drain-delay-s", "300")
-    base = f"http://127.0.0.1:{server.http_port}"
-    server.proc.send_signal(signal.SIGTERM)
+    from serve.protocols.kserve_v2 import M, SERVICE
 
-    def http_not_ready() -> bool:
+    def http(path: str) -> bool:
         try:
-            urllib.request.urlopen(f"{base}/v2/health/ready", timeout=10).close()
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}", timeout=10) as answer:
+                return answer.status == 200
         except urllib.error.HTTPError as error:
-            return error.code == 503
-        return False
+            assert error.code == 503, (path, error.code)
+            return False
 
-    assert wait_until(http_not_ready, 60)
+    with grpc.insecure_channel(server.target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        v2 = {name: channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=M[f"{name}Request"].SerializeToString,
+                                        response_deserializer=M[f"{name}Response"].FromString)
+              for name in ("ServerReady", "ModelReady")}
+        return {"grpc health": check.status == health_pb2.HealthCheckResponse.SERVING,
+                "v2 gRPC ServerReady": v2["ServerReady"](M["ServerReadyRequest"](), timeout=10).ready,
+                "v2 gRPC ModelReady": v2["ModelReady"](M["ModelReadyRequest"](name=model), timeout=10).ready,
+                "v2 REST /v2/health/ready": http("/v2/health/ready"),
+                "v2 REST model ready": http(f"/v2/models/{model}/ready"),
+                "HTTP /health": http("/health")}
+
+
+def test_every_readiness_surface_turns_not_ready_in_the_drain_delay_while_calls_are_still_answered(
+        serve_start, serve_export_dir):
+    """--drain-delay-s: on SIGTERM every readiness surface answers not ready (admission's one readiness: gRPC
+    health, KServe v2 gRPC and REST, HTTP /health) while calls are still admitted and answered, so a balancer
+    ejects the replica before it refuses any."""
+    import json
+    import signal
+    import urllib.request
+
+    server = serve_start(serve_export_dir, "--drain-delay-s", "300")
     with EncoderClient(server.target, retries=0) as client:
-        assert client.health() == "NOT_SERVING"
+        model = client.model_info().name
+    assert all(_readiness(server, model).values()), _readiness(server, model)
+    server.proc.send_signal(signal.SIGTERM)
+    with EncoderClient(server.target, retries=0) as client:
+        assert wait_until(lambda: client.health() == "NOT_SERVING", 60)  # the delay began
+    assert not any(_readiness(server, model).values()), _readiness(server, model)
     with grpc.insecure_channel(server.target) as channel:  # a channel without client-side health checking
         answer = pb_grpc.EncoderServiceStub(channel).Encode(build_request([[1, 2, 3]]), timeout=30)
         assert answer.results[0].HasField("embedding")  # still admitted
-    request = urllib.request.Request(f"{base}/v1/embeddings", data=json.dumps({"input": [[4, 5, 6]]}).encode(),
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/embeddings",
+                                     data=json.dumps({"input": [[4, 5, 6]]}).encode(),
                                      headers={"content-type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.status == 200 and len(json.loads(answer.read())["data"]) == 1

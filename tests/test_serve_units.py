@@ -25,7 +25,7 @@ from serve.core.batch_plan import RunCost
 from serve.core.batcher import Batcher
 from serve.config import ServerConfig, load_config
 from serve.backend.feeds import pad_batch
-from serve.core.requests import EncodeRequest, Limits, MaskChoice, to_rows
+from serve.core.requests import Limits, MaskChoice, Work, to_rows
 from serve.backend.export_dir import ExportError, load_export
 from serve.protocols.pb import pb
 from serve.protocols.tensors import from_numpy, to_numpy
@@ -156,7 +156,7 @@ def test_client_strings_in_messages_are_cut_to_a_bounded_length():
 
 # --- validation --------------------------------------------------------------------------------
 def test_rows_carry_their_own_mask_choice():
-    request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])),
+    request = Work((np.int64([1, 2, 3]), np.int32([4])),
                             MaskChoice(MaskKind.LOCAL_STRIDED, causal=True, window=1, step=2))
     rows = to_rows(request, CONFIG, Limits(4, 32))
     assert (rows.kind, rows.causal, rows.window, rows.step) == (4, True, 1, 2)
@@ -164,7 +164,7 @@ def test_rows_carry_their_own_mask_choice():
 
 
 def test_rows_are_one_block_padded_with_the_pad_id():
-    request = EncodeRequest((np.int64([1, 2, 3]), np.int32([4])))
+    request = Work((np.int64([1, 2, 3]), np.int32([4])))
     rows = to_rows(request, CONFIG, Limits(4, 32))
     pad = CONFIG.pad_token_id
     assert rows.block.dtype == np.int64
@@ -173,34 +173,34 @@ def test_rows_are_one_block_padded_with_the_pad_id():
 
 def test_what_lies_past_a_rows_length_in_a_sent_block_becomes_padding():
     block = np.int64([[1, 2, 3], [4, -7, 10**9]])  # out-of-vocabulary ids past row 1's length
-    rows = to_rows(EncodeRequest(block, lengths=np.int64([3, 1])), CONFIG, Limits(4, 32))
+    rows = to_rows(Work(block, lengths=np.int64([3, 1])), CONFIG, Limits(4, 32))
     np.testing.assert_array_equal(rows.block[1], [4, CONFIG.pad_token_id, CONFIG.pad_token_id])
     with pytest.raises(errors.ValidationError, match=r"sequences\[1\]: token id -7 out of range"):
-        to_rows(EncodeRequest(block, lengths=np.int64([3, 2])), CONFIG, Limits(4, 32))
+        to_rows(Work(block, lengths=np.int64([3, 2])), CONFIG, Limits(4, 32))
 
 
 def test_a_custom_mask_padded_to_the_longest_sequence_serves_sequences_of_unequal_length():
     custom = np.random.default_rng(0).random((2, 5, 5)) < 0.5
-    request = EncodeRequest((np.int64([1, 2, 3, 4, 5]), np.int64([6, 7, 8])), MaskChoice(MaskKind.CUSTOM, custom=custom))
+    request = Work((np.int64([1, 2, 3, 4, 5]), np.int64([6, 7, 8])), MaskChoice(MaskKind.CUSTOM, custom=custom))
     rows = to_rows(request, CONFIG, Limits(4, 32))
     np.testing.assert_array_equal(rows.custom[0], custom[0])
     np.testing.assert_array_equal(rows.custom[1, :3, :3], custom[1, :3, :3])
     assert not rows.custom[1, 3:].any() and not rows.custom[1, :, 3:].any()  # entries past length 3 are ignored
     for shape in ((2, 4, 4), (2, 6, 6), (3, 5, 5)):
-        bad = EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.ones(shape, bool)))
+        bad = Work(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.ones(shape, bool)))
         with pytest.raises(errors.ValidationError, match=r"must be \[2, 5, 5\]: one matrix per sequence"):
             to_rows(bad, CONFIG, Limits(4, 32))
     # the exact forms still hold: [T, T] for sequences all of length T, [B, T, T] of equal lengths
     same = (np.int64([1, 2, 3]), np.int64([4, 5, 6]))
-    assert to_rows(EncodeRequest(same, MaskChoice(MaskKind.CUSTOM, custom=np.eye(3, dtype=bool))), CONFIG,
+    assert to_rows(Work(same, MaskChoice(MaskKind.CUSTOM, custom=np.eye(3, dtype=bool))), CONFIG,
                    Limits(4, 32)).custom.shape == (2, 3, 3)
     with pytest.raises(errors.ValidationError, match=r"needs \[3, 3\].*\[B, Tmax, Tmax\]"):
-        to_rows(EncodeRequest(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.eye(5, dtype=bool))),
+        to_rows(Work(request.sequences, MaskChoice(MaskKind.CUSTOM, custom=np.eye(5, dtype=bool))),
                 CONFIG, Limits(4, 32))
 
 
 def test_a_request_that_fills_its_run_is_fed_its_own_block():
-    rows = to_rows(EncodeRequest(np.int64([[1, 2], [3, 4]])), CONFIG, Limits(4, 32))
+    rows = to_rows(Work(np.int64([[1, 2], [3, 4]])), CONFIG, Limits(4, 32))
     feeds = pad_batch([(rows, None)], 2, CONFIG)
     assert np.shares_memory(feeds["input_ids"], rows.block)
     assert feeds["custom_mask"].all() and feeds["custom_mask"].shape == (2, 2, 2)
@@ -252,7 +252,7 @@ class FakeBackend:
 
 
 def _submit(batcher, ids, deadline=None):
-    request = EncodeRequest((np.int64(ids),), hidden_states=True, pooling="mean")  # resolved, as the Engine hands it
+    request = Work((np.int64(ids),), hidden_states=True, pooling="mean")  # resolved, as a task verb hands it
     return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)), deadline)
 
 
@@ -307,7 +307,7 @@ def test_on_cuda_the_batcher_never_forms_a_run_past_the_attention_element_bound(
     budget = AttentionBudget(CONFIG, (DENSE,), 1 << 30, max_elements=2 * CONFIG.n_heads * 4 ** 2)
     backend = FakeBackend()
     batcher = _batcher(backend, budget=budget)
-    request = EncodeRequest((np.int64([1, 2, 3, 4]),), hidden_states=True, pooling="mean")
+    request = Work((np.int64([1, 2, 3, 4]),), hidden_states=True, pooling="mean")
     tickets = [batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32), budget), None) for _ in range(3)]
     for t in tickets:
         t.wait(5)
@@ -508,7 +508,7 @@ class ShapeRecordingBackend(FakeBackend):
 
 
 def _submit_many(batcher, sequences):
-    request = EncodeRequest(tuple(np.int64(ids) for ids in sequences), hidden_states=True, pooling="mean")
+    request = Work(tuple(np.int64(ids) for ids in sequences), hidden_states=True, pooling="mean")
     return batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)))
 
 
@@ -758,33 +758,79 @@ def test_a_pairs_token_types_reach_the_graph_and_other_rows_get_zeros():
 
 
 def test_rerank_order_is_highest_first_with_ties_in_document_order_and_top_n():
-    from serve.core import tasks
+    from serve.core.tasks.rerank import ranking
 
-    np.testing.assert_array_equal(tasks.ranking(np.array([0.1, 0.9, 0.5, 0.9])), [1, 3, 2, 0])
-    np.testing.assert_array_equal(tasks.ranking(np.array([0.1, 0.9, 0.5, 0.9]), 2), [1, 3])
+    np.testing.assert_array_equal(ranking(np.array([0.1, 0.9, 0.5, 0.9])), [1, 3, 2, 0])
+    np.testing.assert_array_equal(ranking(np.array([0.1, 0.9, 0.5, 0.9]), 2), [1, 3])
 
 
 def test_scores_are_the_exports_activation_of_the_logits_unless_raw():
-    from serve.core import tasks
+    from serve.core.tasks.classify import activate
 
     logits = np.array([[0.0, np.log(3.0)]], np.float32)
-    np.testing.assert_allclose(tasks.activate(logits, "softmax"), [[0.25, 0.75]], rtol=1e-6)
-    np.testing.assert_allclose(tasks.activate(logits, "sigmoid"), [[0.5, 0.75]], rtol=1e-6)
-    np.testing.assert_array_equal(tasks.activate(logits, "softmax", raw=True), logits)
+    np.testing.assert_allclose(activate(logits, "softmax"), [[0.25, 0.75]], rtol=1e-6)
+    np.testing.assert_allclose(activate(logits, "sigmoid"), [[0.5, 0.75]], rtol=1e-6)
+    np.testing.assert_array_equal(activate(logits, "softmax", raw=True), logits)
 
 
 def test_a_route_that_does_not_fit_the_task_lists_the_routes_that_do():
     from serve.core import tasks
 
-    routes = {"POST /embed": "embed", "POST /rerank": "rerank", "POST /predict": "predict"}
-    tasks.check("rerank", "predict", route="POST /predict", model="m", routes=routes)
+    routes = {"POST /embed": "embed", "POST /rerank": "rerank", "POST /predict": "classify"}
+    tasks.check("rerank", "classify", route="POST /predict", model="m", routes=routes)
     with pytest.raises(errors.ValidationError, match=r"task 'rerank'.*Routes that fit it: POST /rerank, POST /predict"):
         tasks.check("rerank", "embed", route="POST /embed", model="m", routes=routes)
 
 
-def test_model_path_names_the_route_and_the_model():
-    from serve.transport.http import _model_path
+# -- the route table (serve/protocols/routes.py) -------------------------------------------------------
 
-    assert _model_path("/models/reranker/rerank") == ("/rerank", "reranker")
-    assert _model_path("/models/reranker") == ("/", "reranker")
-    assert _model_path("/v1/models") == ("/v1/models", None)
+@pytest.fixture(scope="module")
+def router():
+    from serve.protocols import routes
+
+    return routes.router(api=None)
+
+
+def test_a_path_on_a_model_is_that_route_with_the_model_named(router):
+    match = router.match("POST", "/models/reranker/rerank")
+    assert match.route.key == "POST /rerank" and match.params == {"model": "reranker"}
+    assert router.match("POST", "/models/reranker").route.key == "POST /"
+    assert router.match("GET", "/v1/models").params == {}
+
+
+def test_a_templated_path_gives_its_segments(router):
+    match = router.match("POST", "/v2/models/m/versions/1/infer")
+    assert match.route.key == "POST /v2/models/{model}/versions/{version}/infer"
+    assert match.params == {"model": "m", "version": "1"}
+
+
+def test_an_unknown_path_is_404_and_a_known_path_with_another_method_405_in_its_familys_body(router):
+    from serve.protocols import kserve_rest, openai, tei
+
+    unknown = router.match("POST", "/nowhere")
+    assert (unknown.route, unknown.status, unknown.error_body) == (None, 404, openai.error_body)
+    assert router.match("GET", "/v2/nowhere").error_body is kserve_rest.error_body
+    wrong = router.match("GET", "/embed")
+    assert (wrong.route, wrong.status, wrong.error_body) == (None, 405, tei.error_body)
+    assert router.match("POST", "/v2/models/m/ready").status == 405
+
+
+def test_every_route_is_in_the_listing_and_every_task_route_in_the_fit_table():
+    import json
+
+    from serve.core.tasks import VERBS
+    from serve.protocols import routes
+
+    listing = json.loads(routes.LISTING)
+    for route in routes.ROUTES:
+        assert route.method.lower() in listing["paths"][route.path], route.key
+        assert route.verb is None or (route.verb in VERBS and routes.VERBS[route.key] == route.verb)
+
+
+def test_a_route_declared_twice_is_refused_when_the_router_is_built():
+    from serve.protocols import openai, routes
+    from serve.protocols.routing import Family, HttpRoutes, Route
+
+    twice = Family("twice", openai.error_body, (Route("POST", "/v1/embeddings", openai.embeddings, "embed"),))
+    with pytest.raises(RuntimeError, match="POST /v1/embeddings is declared twice"):
+        HttpRoutes(None, (*routes.FAMILIES, twice), routes.UNMATCHED)

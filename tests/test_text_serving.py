@@ -163,6 +163,23 @@ def test_pooling_and_normalize_can_be_overridden(client, sentence_model):
     np.testing.assert_array_equal(first.embeddings, np.stack([h[0] for h in first.hidden_states]))
 
 
+def test_dimensions_keep_the_first_values_renormalised_as_on_http(client):
+    full = client.embed(TEXTS[:2]).embeddings
+    cut = client.embed(TEXTS[:2], dimensions=64).embeddings
+    assert cut.shape == (2, 64)
+    np.testing.assert_allclose(cut, full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True),
+                               atol=1e-6, rtol=0)
+    raw = client.embed(TEXTS[:2], dimensions=64, normalize=False).embeddings  # no normalisation asked: none
+    np.testing.assert_allclose(raw, client.embed(TEXTS[:2], normalize=False).embeddings[:, :64], atol=1e-6, rtol=0)
+
+
+def test_dimensions_past_the_embeddings_width_are_invalid_argument_naming_it(client):
+    with pytest.raises(grpc.RpcError) as info:
+        client.embed(["x"], dimensions=385)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dimensions: 385 out of range [1, 384]" in info.value.details()
+
+
 def test_too_long_text_without_truncate_is_invalid_argument_naming_the_limit(client):
     with pytest.raises(grpc.RpcError) as info:
         client.embed(["fine", OVER_LIMIT])

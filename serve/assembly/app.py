@@ -25,34 +25,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serve import logs
-from serve.protocols import kserve_v2 as kserve
-from serve.transport import security
-from serve.protocols.admin import ADMIN_SERVICE_NAME, add_admin_to_server
-from serve.config import ServerConfig
-from serve.core.engine import Engine
-from serve.errors import ServeError, Unavailable
 from serve.assembly.loading import BackendFactory, default_backend
 from serve.assembly.repository import ModelRepository
+from serve.config import ServerConfig
 from serve.core.admission import Admission
-from serve.core.engine import Reloaded
+from serve.core.engine import Engine, Reloaded
 from serve.core.metrics import Metrics
-from serve.protocols.pb import pb, pb_grpc
-from serve.protocols import tei
-from serve.protocols.encoder_v1 import CLASSIFY, EMBED_SPARSE, ENCODE, RERANK, EncoderServicer
-from serve.protocols.rerank_api import RerankAPIs
-from serve.protocols.tei import TEIService
-from serve.transport import native
-from serve.protocols import kserve_rest, openai as openai_api
-from serve.protocols.kserve_rest import KServeRest
+from serve.errors import ServeError, Unavailable
+from serve.protocols import kserve_v2 as kserve
+from serve.protocols import routes
+from serve.protocols.admin import ADMIN_SERVICE_NAME, add_admin_to_server
+from serve.protocols.edge import Api
+from serve.protocols.encoder_v1 import SERVICE as SERVICE_NAME, add_encoder_to_server
 from serve.protocols.repository_api import add_repository_to_server
-from serve.protocols.openai import EMBEDDINGS, MODELS, OpenAIService
+from serve.transport import native, security
 from serve.transport.grpcio import GrpcioTransport
 from serve.transport.http import HttpTransport
 from serve.transport.rpc import Registry, Router
 
 log = logging.getLogger("serve.assembly.app")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 ABANDON_S = 2.0  # after the grace period: for the UNAVAILABLE answers of abandoned calls to go out
 
 
@@ -65,34 +57,31 @@ class EncoderServer:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self._backend_factory = backend_factory or default_backend
-        # the state, the served engine and the calls in flight (serve/core/admission.py)
+        # the state, the served engines, the calls in flight and readiness (serve/core/admission.py)
         self.admission = Admission(config.default_model)
         self.admit = self.admission.admit
         self.engine = self.admission.engine
         # the models: the repository's folders, or the one --export-dir (serve/assembly/repository.py)
         self.repository = ModelRepository(config, self.admission, self.metrics, self._backend_factory,
                                           swap=lambda old, new: self._swap_engine(old, new))
+        # what every protocol adapter is lent (serve/protocols/edge.py)
+        api = Api(self.admission, self.metrics, self.repository)
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
         # get INVALID_ARGUMENT naming the limit; only gross ones get gRPC's RESOURCE_EXHAUSTED.
         hard_limit = 2 * config.max_request_bytes + (1 << 20)
-        # Every service registers into one method table; one Router takes every call of the
+        # Every gRPC service registers into one method table; one Router takes every call of the
         # transport (serve/transport/): token, malformed bytes, unknown methods, then the adapters.
         registry = Registry()
         self.health = health.HealthServicer(experimental_non_blocking=True)
-        encoder = EncoderServicer(self.admit, self.metrics, config.max_request_bytes)
-        pb_grpc.add_EncoderServiceServicer_to_server(encoder, registry)
-        registry.add_started(ENCODE, encoder.start_encode, pb.EncodeRequest.FromString)
-        registry.add_started(RERANK, encoder.start_rerank, pb.RerankRequest.FromString)
-        registry.add_started(CLASSIFY, encoder.start_classify, pb.ClassifyRequest.FromString)
-        registry.add_started(EMBED_SPARSE, encoder.start_embed_sparse, pb.EmbedSparseRequest.FromString)
+        add_encoder_to_server(api, config.max_request_bytes, registry)
         # KServe v2 / Open Inference Protocol on the same engine (serve/protocols/kserve_v2.py, docs/deployment.md)
-        v2 = kserve.add_kserve_to_server(self.admit, self.metrics, registry)
-        # Triton's model repository extension, v2 gRPC and REST (serve/protocols/repository_api.py)
-        repository_api = add_repository_to_server(self.repository, self.metrics, registry)
+        kserve.add_kserve_to_server(api, registry)
+        # Triton's model repository extension, v2 gRPC (serve/protocols/repository_api.py)
+        add_repository_to_server(api, registry)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)
         services = [SERVICE_NAME, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if config.admin:  # ReloadModel (serve/protocols/admin.py); SIGHUP reloads without it
-            add_admin_to_server(self.reload, self.metrics, registry, repository_api)
+            add_admin_to_server(api, self.reload, registry)
             services.append(ADMIN_SERVICE_NAME)
         # the v2 messages live in their own pool (serve/protocols/kserve_v2.py): reflection reads both
         reflection.enable_server_reflection(tuple(services), registry, pool=kserve.ReflectionPool())
@@ -102,22 +91,13 @@ class EncoderServer:
         address = f"{config.host}:{config.port}"
         self.transport = self._transport(config, address, registry, hard_limit, tls)
         self.port = self.transport.port
-        self._leaving = threading.Event()  # SIGTERM's drain_delay_s: not ready, still admitting (`leave`)
-        self.http: HttpTransport | None = None  # OpenAI embeddings + health over HTTP (serve/transport/http.py)
+        # every HTTP route of every family (serve/protocols/routes.py, the one route table)
+        self.http: HttpTransport | None = None
         if config.http_port >= 0:
-            openai = OpenAIService(self.admit, self.metrics, self.admission.engines)
-            # the task routes of TEI, Cohere / Jina and infinity (serve/protocols/tei.py, rerank_api.py)
-            rerank_api = RerankAPIs(self.admit, self.metrics)
-            tei_api = TEIService(self.admit, self.metrics, self.admission.engine, rerank_api)
-            routes = {EMBEDDINGS: openai.start_embeddings, "POST /embeddings": openai.start_embeddings,
-                      MODELS: openai.models, **rerank_api.routes(), **tei_api.routes()}
-            self.http = HttpTransport(config.host, config.http_port, routes, self.ready,
+            self.http = HttpTransport(config.host, config.http_port, routes.router(api),
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
                                       if config.tls_cert else None,
-                                      v2=KServeRest(v2, self.admission.engine, repository_api),
-                                      error_bodies=(("/v2", kserve_rest.error_body), ("", openai_api.error_body)),
-                                      path_error_bodies={path: tei.error_body for path in tei.ROUTE_PATHS},
                                       keep_alive_s=config.http_keep_alive_s,
                                       header_timeout_s=config.http_header_timeout_s,
                                       body_timeout_s=config.http_body_timeout_s,
@@ -136,16 +116,15 @@ class EncoderServer:
                                config.workers)
 
     def ready(self) -> bool:
-        """What readiness reports (HTTP /v2/health/ready; gRPC health follows `_set_health`): serving,
-        and not leaving."""
-        return self.admission.state == "serving" and not self._leaving.is_set()
+        """What readiness reports on every surface (admission's one answer: serving, and not leaving)."""
+        return self.admission.ready()
 
     def leave(self, delay: float) -> None:
-        """The first step of a shutdown (`drain_delay_s`): report not ready while still admitting for
-        `delay` seconds, so balancers take this replica out before it refuses a call."""
+        """The first step of a shutdown (`drain_delay_s`): report not ready on every surface while still
+        admitting for `delay` seconds, so balancers take this replica out before it refuses a call."""
         if delay <= 0 or self.admission.state != "serving":
             return
-        self._leaving.set()
+        self.admission.leave()
         self._set_health(False)
         self.metrics.ready.set(0)
         logs.event(log, "leaving", drain_delay_s=delay)

@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -44,24 +43,14 @@ from serve.core.admission import Admission, names
 from serve.core.attention_budget import available_memory, gib
 from serve.core.engine import Engine, Reloaded
 from serve.core.metrics import Metrics
+from serve.core.model_index import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry
 from serve.core.scheduler import Scheduler
 from serve.errors import ModelRefused, NotFound, Overloaded, ServeError, TooLarge, Unavailable, quote
 
 log = logging.getLogger("serve.assembly.repository")
 
 MEMORY_SHARE = 0.5  # of the memory this process may use, for the models (attention takes the other half)
-READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"  # Triton's states
 ONE_EXPORT = "this server serves one export (--export-dir); start it with --model-repository to load and unload models"
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One model of the repository as Triton's RepositoryIndex lists it."""
-
-    name: str
-    version: str
-    state: str  # READY | UNAVAILABLE | LOADING | UNLOADING
-    reason: str  # why it is not READY ("" when it is)
 
 
 def scan(root: Path) -> dict[str, Path]:

@@ -1,4 +1,5 @@
-"""Admission: which engine a call runs on (by model name), and the calls in flight (what a drain waits for).
+"""Admission: which engine a call runs on (by model name), the calls in flight (what a drain waits for), and
+whether the server is ready (`ready`: the one answer every health surface gives).
 
 Every protocol's calls come through `admit` (serve/protocols/), on every transport: it refuses with
 UNAVAILABLE (retry-safe) unless the server is serving, and counts the call in flight until the call
@@ -38,6 +39,18 @@ class Admission:
         self._last_arrival = float("-inf")
         self.refused_draining = 0
         self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
+        self._leaving = False  # SIGTERM's drain delay: still admitting, but no longer ready (`leave`)
+
+    # -- readiness ---------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """The one readiness every surface reports (gRPC health, KServe v2 ServerReady/ModelReady over gRPC
+        and REST, HTTP /health): serving, and not leaving."""
+        return self.state == "serving" and not self._leaving
+
+    def leave(self) -> None:
+        """Reports not ready from now on while still admitting calls (the drain delay before a drain, so
+        balancers take this replica out before it refuses anything)."""
+        self._leaving = True
 
     # -- the engines -------------------------------------------------------------------------
     def engine(self, model: str = "") -> Engine:

@@ -33,7 +33,7 @@ from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost
 from serve.core.scheduler import Scheduler
 from serve.backend.feeds import Rows
-from serve.core.requests import EncodeRequest, EncodeResult
+from serve.core.requests import EncodeResult, Work
 from serve.core.runs import BatchRunner
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable
 
@@ -48,7 +48,7 @@ class Ticket:
     __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
                  "_result", "_error", "_callbacks")
 
-    def __init__(self, request: EncodeRequest, rows: Rows, deadline: float | None) -> None:
+    def __init__(self, request: Work, rows: Rows, deadline: float | None) -> None:
         self.request = request
         self.rows = rows
         self.attention_bytes = rows.attention_bytes  # estimated at admission (serve/core/attention_budget.py)
@@ -152,7 +152,7 @@ class Batcher:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request: EncodeRequest, rows: Rows, deadline: float | None = None) -> Ticket:
+    def submit(self, request: Work, rows: Rows, deadline: float | None = None) -> Ticket:
         ticket = Ticket(request, rows, deadline)
         with self._cond:
             if self._closed:

@@ -1,26 +1,24 @@
-"""The core between the servicer and the backend: validate, admit (batcher), wait, describe.
+"""One served model: its export, backend, batcher and limits; `submit` checks the core's Work against them
+and admits it; `describe` says what the model is and takes. One Engine per loaded model.
 
-It knows our request types only; the servicer owns protobuf. One Engine per loaded model.
+It knows the core's types only (serve/core/requests.py); what a call asks is a task verb's
+(serve/core/tasks/), and the protocols own their wire formats.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-
 from dataclasses import dataclass
 
-import numpy as np
-
 from model.config import to_json
+from model.tasks import labels_of
 from model.mask_kinds import MaskKind
 from serve.backend.session import Backend
 from serve.core.batcher import Batcher, Ticket
 from serve.config import ServerConfig
-from serve.core.pooling import FROM_HIDDEN, pool_chunks, resolve_pooling
-from serve.core.requests import EncodeRequest, EncodeResult, Limits, to_rows
-from serve.core import tasks
-from serve.errors import DeadlineExceeded, ValidationError, quote
+from serve.core.requests import Limits, Work, to_rows
+from serve.errors import DeadlineExceeded, ValidationError
 from serve.backend.export_dir import ExportDir
 from serve.core.text import TextTokenizer
 
@@ -84,12 +82,8 @@ class Engine:
 
     @property
     def task(self) -> str:
-        """What the model does (serve/core/tasks.py): embed, rerank, classify or sparse."""
+        """What the model is for (metadata.json "task"; serve/core/tasks/): embed, rerank, classify or sparse."""
         return self.export.task
-
-    def check(self, operation: str, route: str, routes: dict[str, str]) -> None:
-        """Refuses `operation` (called as `route`) unless this model's task serves it (serve/core/tasks.py)."""
-        tasks.check(self.task, operation, route=route, model=self.name, routes=routes)
 
     @property
     def embedding_width(self) -> int:
@@ -98,35 +92,14 @@ class Engine:
 
     @property
     def labels(self) -> list[str]:
-        """A classifier's or re-ranker's labels, in the order of its logits."""
-        labels = list(self.export.metadata.task.get("labels") or ())
-        return labels or [f"LABEL_{i}" for i in range(self.export.config.num_labels)]
+        """A classifier's or re-ranker's labels, in the order of its logits (model/tasks.py `labels_of`)."""
+        return labels_of(self.export.metadata.task, self.export.config.num_labels)
 
-    def scores(self, result: EncodeResult, raw: bool = False, activation: str | None = None) -> np.ndarray:
-        """A rerank or classify result's scores [n, labels]: the logits through the export's activation
-        (or `activation`, one of serve/core/tasks.py ACTIVATIONS), or the logits themselves when `raw`."""
-        return tasks.activate(result.scores, activation or str(self.export.metadata.task.get("activation", "none")),
-                              raw)
-
-    def submit(self, request: EncodeRequest, deadline: float | None = None) -> Ticket:
-        """Resolves what `request` leaves to the model (its default pooling and normalisation: the
-        adapters pass "" / None), validates and admits; raises ValidationError / Overloaded / Unavailable.
-        A model with a head (its task is not embed) answers its head's output (`scores`), never a pooled
-        embedding."""
-        if self.task != "embed":
-            if request.pooling in ("mean", *FROM_HIDDEN):
-                raise ValidationError(
-                    f"pooling: model {self.name!r} is {tasks.DESCRIBED[self.task]}; it answers its head's "
-                    f"output (scores), not pooled embeddings: ask for pooling none (or leave it unset)")
-            request = dataclasses.replace(request, pooling="none", normalize=False, scores=True)
-        if not request.pooling or request.normalize is None:
-            request = dataclasses.replace(
-                request, pooling=self.pooling(request.pooling),
-                normalize=self.export.default_normalize if request.normalize is None else request.normalize)
-        if request.texts or request.pairs:
-            request = self._tokenize(request)
-        rows = to_rows(request, self.export.config, self.limits, self.budget)  # paths decided here, once
-        if request.hidden_states:
+    def submit(self, work: Work, deadline: float | None = None) -> Ticket:
+        """Validates `work` (its defaults resolved by its verb, serve/core/tasks/) and admits it into this
+        model's batcher; raises ValidationError / TooLarge / Overloaded / Unavailable / DeadlineExceeded."""
+        rows = to_rows(work, self.export.config, self.limits, self.budget)  # paths decided here, once
+        if work.hidden_states:
             tokens = int(rows.lengths.sum())
             size = tokens * self.export.config.d_model * 4
             if size > self.server.max_response_bytes:
@@ -136,85 +109,7 @@ class Engine:
                     "(pooled embeddings only), or send the sequences one by one on EncodeStream")
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline expired before the request was admitted")
-        return self.batcher.submit(request, rows, deadline)
-
-    def _tokenize(self, request: EncodeRequest) -> EncodeRequest:
-        """The request with its texts (or sentence pairs) tokenized into `sequences` (rows like any
-        token ids; pairs with their token type ids)."""
-        if len(request.sequences):
-            raise ValidationError("texts: send either texts or sequences, not both")
-        if self.text is None:
-            raise ValidationError("texts: model has no tokenizer; send token ids in `sequences`")
-        if request.pairs:
-            self.limits.check_count(len(request.pairs), "pairs")
-            sequences, types, truncated = self.text.encode_pairs(
-                request.pairs, truncate=request.truncate, direction=request.truncation_direction,
-                fields=request.pair_fields)
-            return dataclasses.replace(request, sequences=sequences, types=types, truncated=truncated)
-        self.limits.check_count(len(request.texts), "texts")
-        if request.chunk:
-            if request.truncate:
-                raise ValidationError("texts: chunk and truncate are two answers to a long text; set one")
-            if request.hidden_states or request.pooling != "mean":
-                raise ValidationError("texts: chunk=true pools each text's windows into one mean embedding; "
-                                      "ask for pooling mean and no hidden_states")
-        sequences, truncated, chunks = self.text.encode(request.texts, truncate=request.truncate,
-                                                        chunk=request.chunk, direction=request.truncation_direction,
-                                                        prompt=self.prompt(request.prompt_name))
-        if len(sequences) > self.server.max_batch_size:
-            raise ValidationError(
-                f"texts: {len(request.texts)} texts make {len(sequences)} windows, over "
-                f"max_batch_size={self.server.max_batch_size}; send fewer or shorter texts")
-        return dataclasses.replace(request, sequences=sequences, truncated=truncated,
-                                   chunks=chunks if request.chunk else ())
-
-    def prompt(self, name: str | None) -> str:
-        """The text of prompt `name` (the export's sentence-transformers prompts); None: the model's
-        default prompt, if it has one; "": none."""
-        prompts = self.export.metadata.prompts
-        if name is None:
-            name = self.export.metadata.default_prompt_name or ""
-            if not name:
-                return ""
-        elif name == "":
-            return ""
-        if name not in prompts:
-            raise ValidationError(f"prompt_name: {quote(name)} is not one of this model's prompts "
-                                  f"({', '.join(sorted(prompts)) or 'it has none'})")
-        return prompts[name]
-
-    def tokenize(self, texts, add_special_tokens: bool = True, prompt_name: str | None = None) -> list[list[dict]]:
-        """Each text's tokens (serve/core/text.py `tokens`), with the prompt asked (None: the default)."""
-        if self.text is None:
-            raise ValidationError("texts: model has no tokenizer")
-        return self.text.tokens(texts, add_special_tokens=add_special_tokens, prompt=self.prompt(prompt_name))
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> list[str]:
-        if self.text is None:
-            raise ValidationError("ids: model has no tokenizer")
-        return self.text.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def pooling(self, asked: str = "", *, field: str = "pooling", embedding: bool = False) -> str:
-        """The pooling a request runs with (serve/core/pooling.py resolve_pooling, on this model's default)."""
-        return resolve_pooling(asked, self.export.default_pooling, field=field, embedding=embedding)
-
-    def wait(self, ticket: Ticket, deadline: float | None = None) -> EncodeResult:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            ticket.wait(timeout)
-        except DeadlineExceeded:
-            ticket.cancel()
-            raise
-        return self.result(ticket)
-
-    @staticmethod
-    def result(ticket: Ticket) -> EncodeResult:
-        """A finished ticket's result (chunked texts pooled per text), or raises its error."""
-        result = ticket.outcome()
-        return pool_chunks(result, ticket.request) if ticket.request.chunks else result
-
-    def encode(self, request: EncodeRequest, deadline: float | None = None) -> EncodeResult:
-        return self.wait(self.submit(request, deadline), deadline)
+        return self.batcher.submit(work, rows, deadline)
 
     def describe(self) -> ModelDescription:
         meta, config, s = self.export.metadata, self.export.config, self.server

@@ -1,6 +1,7 @@
 """What a request's rows become once they have run: the ONE home of pooling, the projection after it,
 normalisation and the pooling of a chunked text's windows, and of the defaults a request leaves to its model.
 
+  pooling_name      the one check of a pooling's name (every protocol's field calls it)
   resolve_pooling   the pooling a request runs with: what it asked, else the model's default
                     (metadata.json "pooling"), "mean" where an embedding is required and the model's
                     default is none (OpenAI's API, v2's `embeddings` output)
@@ -65,14 +66,20 @@ def truncate_dimensions(vectors: np.ndarray, dimensions: int | None, normalize: 
     return l2_normalize(vectors) if normalize else np.ascontiguousarray(vectors)
 
 
-def resolve_pooling(asked: str, default: str, *, field: str = "pooling", embedding: bool = False) -> str:
-    """`asked` ("": the model's `default`) checked against POOLINGS; ValidationError naming `field`.
-    `embedding`: the caller needs a pooled embedding, so a "none" default means "mean"."""
-    if not asked:
-        return "mean" if embedding and default == "none" else default
-    if asked not in POOLINGS or (embedding and asked == "none"):
+def pooling_name(asked: str, *, field: str = "pooling", embedding: bool = False) -> str:
+    """`asked` checked against POOLINGS ("": the model's default, resolved by `resolve_pooling`); ValidationError
+    naming `field`. `embedding`: the caller needs a pooled embedding, so "none" is refused."""
+    if asked and (asked not in POOLINGS or (embedding and asked == "none")):
         allowed = [p for p in POOLINGS if not (embedding and p == "none")]
         raise ValidationError(f"{field}: {quote(asked)} is not one of {', '.join(allowed)}")
+    return asked
+
+
+def resolve_pooling(asked: str, default: str, *, embedding: bool = False) -> str:
+    """The pooling a request runs with: `asked` (checked by `pooling_name`), else the model's `default`;
+    `embedding`: a "none" default means "mean" (OpenAI's API, v2's `embeddings` output need an embedding)."""
+    if not asked:
+        return "mean" if embedding and default == "none" else default
     return asked
 
 

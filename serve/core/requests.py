@@ -1,6 +1,7 @@
-"""Our own request and result types, and request validation against the model and the limits.
+"""The core's own request and result types, and their validation against the model and the limits.
 
-The servicer converts protobuf into these; the batcher runs them. No gRPC, no protobuf here.
+`Work` is what the task verbs (serve/core/tasks/) hand the core and the batcher runs; `to_rows` checks it
+once and gives its rows in batch form. No gRPC, no protobuf, no protocol's field names here but the core's.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from model.config import EncoderConfig
 from model.attention_paths import RowMask
 from model.mask_kinds import MaskKind
 from serve.backend.feeds import Rows
-from serve.errors import ValidationError
+from serve.errors import ValidationError, quote
 
 
 
@@ -29,31 +30,49 @@ class MaskChoice:
     custom: np.ndarray | None = None  # bool [T, T], or [B, Tmax, Tmax] (padded to the longest sequence)
 
 
-@dataclass(frozen=True)
-class EncodeRequest:
-    # int64/int32 [T] token ids, or float32 [T, d_model] features; or the one array [B, T] /
-    # [B, T, d_model] they came in (KServe v2's tensor as sent: checked at once, never cut up)
+def mask_choice(kind: MaskKind | int | str | None = None, causal: bool = False, window: int = 0, step: int = 1,
+                custom: np.ndarray | None = None, *, field: str = "mask.kind") -> MaskChoice:
+    """The one reading of a mask kind as any protocol sends it: None (the model's natural mask), a MaskKind, its
+    number (an int, or a string of digits), or its label in any case (`sliding_window`, `Sliding-Window`).
+    Anything else is refused naming `field` and the kinds there are. The other fields are the core's to check
+    (to_rows: each against the row lengths)."""
+    return MaskChoice(None if kind is None else _mask_kind(kind, field), causal, window, step, custom)
+
+
+def _mask_kind(value, field: str) -> MaskKind:
+    if isinstance(value, MaskKind):
+        return value
+    if isinstance(value, str) and len(value) <= 64:  # longer is no kind (and int() of it is costly)
+        try:
+            return MaskKind(int(value)) if value.isdigit() else MaskKind.parse(value)
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool) and value in MaskKind._value2member_map_:
+        return MaskKind(value)
+    raise ValidationError(f"{field}: unknown value {quote(value)}; expected one of "
+                          f"{', '.join(k.label for k in MaskKind)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What the core runs for one call: its rows and what to answer of them. The task verbs
+    (serve/core/tasks/) make it, with every default already resolved: the core applies none.
+
+    Rows are int64/int32 [T] token ids or float32 [T, d_model] features, one array per row; or the one
+    array [B, T] / [B, T, d_model] they came in (KServe v2's tensor as sent: checked at once, never cut up)
+    with each row's length (right padding; what lies past it is ignored; None: all T)."""
+
     sequences: tuple[np.ndarray, ...] | np.ndarray
-    mask: MaskChoice = field(default_factory=MaskChoice)
-    hidden_states: bool = False
-    pooling: str = ""  # one of POOLINGS; "": the model's default (resolved by the Engine)
-    normalize: bool | None = None  # None: the model's default (resolved by the Engine)
+    mask: MaskChoice = MaskChoice()
+    hidden_states: bool = False  # answer the per-token hidden states
+    pooling: str = "none"  # the pooled embedding to answer (serve/core/pooling.py POOLINGS); "none": none
+    normalize: bool = False  # L2-normalise the pooled embeddings (a chunked text's: after pooling its windows)
+    scores: bool = False  # answer the model's head output (a model with a head)
     request_id: str = ""
-    texts: tuple[str, ...] = ()  # tokenized by the Engine into `sequences` (serve/core/text.py)
-    truncate: bool = False  # texts only: cut a text over the tokenizer's max_length instead of refusing it
-    truncated: tuple[bool, ...] = ()  # texts only, set by the Engine: which texts were cut
-    chunk: bool = False  # texts only: encode a long text as overlapping windows, pooled (serve/core/text.py)
-    chunks: tuple[int, ...] = ()  # texts only, set by the Engine with chunk: rows (windows) per text
-    # with an array: each row's length (right padding; what lies past it is ignored); None: all T
     lengths: np.ndarray | None = None
-    # sentence pairs (a cross-encoder's query and document, a pair classifier's two texts): tokenized by
-    # the Engine as pairs into `sequences`, with their token type ids in `types`
-    pairs: tuple[tuple[str, str], ...] = ()
-    types: tuple[np.ndarray, ...] = ()  # int64 [T] per sequence, set by the Engine for pairs; (): zeros
-    pair_fields: tuple[str, str] = ("pairs[{i}][0]", "pairs[{i}][1]")  # the pair's texts as errors name them
-    truncation_direction: str = "right"  # texts and pairs with truncate: which end is cut ("left" | "right")
-    prompt_name: str | None = None  # texts: the export's prompt put before each text (None: its default)
-    scores: bool = False  # answer the model's head output (set by the Engine for a model with a head)
+    types: tuple[np.ndarray, ...] = ()  # int64 [T] token type ids per row (sentence pairs); (): zeros
+    truncated: tuple[bool, ...] = ()  # texts: which were cut to the tokenizer's max_length (reported back)
+    chunks: tuple[int, ...] = ()  # texts cut into windows: rows per text (the verb pools them back)
 
 
 @dataclass(frozen=True)
@@ -116,7 +135,7 @@ class Limits:
             raise ValidationError(f"{field}: {n} {field} exceed max_sequences_per_request={self.max_sequences_per_request}")
 
 
-def to_rows(request: EncodeRequest, config: EncoderConfig, limits: Limits, budget=None) -> Rows:
+def to_rows(request: Work, config: EncoderConfig, limits: Limits, budget=None) -> Rows:
     """Validates `request` and gives its rows in batch form (one block, each row's length), each
     row's attention path and the attention memory they need decided by `budget`
     (serve/core/attention_budget.py; None: dense, not counted). ValidationError names the field and

@@ -21,9 +21,10 @@ import numpy as np
 
 from model.config import EncoderConfig
 from model.text import TokenizerError, read_tokenizer
-from serve.core.tasks import DIRECTIONS
 from serve.errors import ValidationError
 from serve.backend.export_dir import ExportDir, ExportError
+
+DIRECTIONS = ("right", "left")  # which end of a text truncation cuts (TEI's truncation_direction)
 
 
 class TextTokenizer:

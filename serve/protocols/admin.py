@@ -11,44 +11,39 @@ from __future__ import annotations
 
 from typing import Callable
 
-import grpc
-
-from serve.protocols.edge import Call
 from serve.core.engine import Reloaded
-from serve.core.metrics import Metrics
+from serve.protocols.edge import Api, Call
 from serve.protocols.pb import admin_pb, admin_pb_grpc
-from serve.protocols.repository_api import RepositoryApi
+from serve.protocols import repository_api
 
 ADMIN_SERVICE_NAME = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name  # "encoder.v1.AdminService"
 
 
 class AdminServicer(admin_pb_grpc.AdminServiceServicer):
-    def __init__(self, reload: Callable[[str, str, str], Reloaded], metrics: Metrics | None,
-                 repository: RepositoryApi) -> None:
+    def __init__(self, api: Api, reload: Callable[[str, str, str], Reloaded]) -> None:
         # reload(export_dir, graph, model): EncoderServer.reload; "" keeps the served one
+        self._api = api
         self._reload = reload
-        self._metrics = metrics
-        self._repository = repository
 
     def ReloadModel(self, request, context):
-        with Call(self._metrics, "ReloadModel", context):
+        with Call(self._api.metrics, "ReloadModel", context):
             return _reloaded(self._reload(request.export_dir, request.graph, request.model))
 
     def LoadModel(self, request, context):
-        with Call(self._metrics, "LoadModel", context):
-            return _reloaded(self._repository.load(request.model))
+        with Call(self._api.metrics, "LoadModel", context):
+            return _reloaded(repository_api.load(self._api.repository, request.model))
 
     def UnloadModel(self, request, context):
-        with Call(self._metrics, "UnloadModel", context):
-            self._repository.unload(request.model)
+        with Call(self._api.metrics, "UnloadModel", context):
+            repository_api.unload(self._api.repository, request.model)
             return admin_pb.UnloadModelResponse()
 
     def ListModels(self, request, context):
-        with Call(self._metrics, "ListModels", context):
+        with Call(self._api.metrics, "ListModels", context):
             Model = admin_pb.ListModelsResponse.Model
             return admin_pb.ListModelsResponse(models=[
                 Model(name=e.name, version=e.version, state=e.state, reason=e.reason)
-                for e in self._repository.index(request.ready)])
+                for e in repository_api.index(self._api.repository, request.ready)])
 
 
 def _reloaded(done: Reloaded):
@@ -58,7 +53,6 @@ def _reloaded(done: Reloaded):
     )
 
 
-def add_admin_to_server(reload: Callable[[str, str, str], Reloaded], metrics: Metrics | None,
-                        server: grpc.Server, repository: RepositoryApi) -> None:
+def add_admin_to_server(api: Api, reload: Callable[[str, str, str], Reloaded], server) -> None:
     """Registers `encoder.v1.AdminService` on `server` (before server.start())."""
-    admin_pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(reload, metrics, repository), server)
+    admin_pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(api, reload), server)

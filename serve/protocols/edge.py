@@ -1,5 +1,7 @@
-"""The edge of every RPC, shared by Encode (serve/protocols/encoder_v1.py), KServe v2 (serve/protocols/kserve_v2.py) and Admin
-(serve/protocols/admin.py): the call's deadline, its metrics, and its status.
+"""The edge of every call, on every protocol: what the server lends the adapters (`Api`), how a task call
+starts and is answered (`start_task`: admit, check the route fits the model's task, submit the task verb,
+render its result on the batcher's thread), a call answered at once (`answer_now`), and the call's deadline,
+metrics and status (`Call`):
 
     with Call(metrics, "Encode", context) as call:   # call.received: when the handler started
         ... raise any error ...
@@ -14,14 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import grpc
 import orjson
 
 from serve import logs
+from serve.core import tasks
+from serve.core.admission import Admission
+from serve.core.engine import Engine
+from serve.core.metrics import Metrics
+from serve.core.model_index import Repository
+from serve.core.tasks import Pending
 from serve.errors import ServeError, ValidationError
 from serve.protocols.status import to_status
-from serve.core.metrics import Metrics
 
 log = logging.getLogger("serve.protocols.edge")
 
@@ -87,28 +96,66 @@ def json_object(body: bytes) -> dict:
     return doc
 
 
-def start_call(metrics: Metrics | None, method: str, rpc, submit, render) -> None:
-    """A started call (serve/transport/rpc.py): `submit()` admits, checks and queues it, returning
-    (engine, ticket), here on the transport's thread; once its batch has run, on the batcher's
-    thread, `render(engine, result, call)` makes the answer's bytes. Errors of either step are
-    answered with their status; a call that ends unanswered (cancelled) takes its ticket off the queue."""
-    call = Call(metrics, method, rpc)
+@dataclass(frozen=True)
+class Api:
+    """What the server lends its protocol adapters (serve/assembly/app.py makes it once)."""
+
+    # admission (serve/core/admission.py): `admit(context, model=name)` the engine a call runs on, counted in
+    # flight until the call ends; `engine(model)` the same without counting (metadata); `engines()` every
+    # served model by name; `ready()` the one readiness every surface reports (serving, and not leaving)
+    admission: Admission
+    metrics: Metrics | None = None
+    repository: Repository | None = None  # the model repository's calls (serve/core/model_index.py)
+
+    def admit(self, context=None, model: str | None = "", on_drain=None) -> Engine:
+        return self.admission.admit(context, on_drain=on_drain, model=model)
+
+    def engine(self, model: str = "") -> Engine:
+        return self.admission.engine(model)
+
+    def ready(self) -> bool:
+        return self.admission.ready()
+
+
+def start_task(api: Api, method: str, rpc, model: str, verb: str, routes: Mapping[str, str | None],
+               submit: Callable[[Engine], Pending], render: Callable[[Engine, object, Call], bytes],
+               route: str | None = None) -> None:
+    """A started call of task `verb` (serve/transport/rpc.py): here, on the transport's thread, the call is
+    admitted on `model`, refused unless `verb` serves the model's task (naming the routes of `routes`, its
+    protocol's table, that do), and `submit(engine)` queues it (a task verb: serve/core/tasks/); once its rows
+    have run, on the batcher's thread, `render(engine, result, call)` makes the answer's bytes. Errors of
+    either step are answered with their status; a call that ends unanswered (cancelled) leaves the queue."""
+    call = Call(api.metrics, method, rpc)
     try:
-        engine, ticket = submit()
+        engine = api.admit(rpc, model=model)
+        tasks.check(engine.task, verb, model=engine.name, route=route or rpc.method, routes=routes)
+        pending = submit(engine)
     except Exception as error:
         call.answer(error)
         return
-    rpc.add_callback(ticket.cancel)
+    rpc.add_callback(pending.cancel)
 
-    def done(ticket) -> None:
+    def done(pending: Pending) -> None:
         try:
-            result = engine.result(ticket)
-            if metrics is not None:
-                metrics.sequences.inc(len(result))
+            result = pending.result()
+            if api.metrics is not None:
+                api.metrics.sequences.inc(len(result))
             payload = render(engine, result, call)
         except Exception as error:
             call.answer(error)
             return
         call.answer(None, payload)
 
-    ticket.add_done_callback(done)
+    pending.add_done_callback(done)
+
+
+def answer_now(api: Api, method: str, rpc, work: Callable[[], bytes]) -> None:
+    """A call answered at once on the calling thread (tokenize, metadata, listings): `work()` makes the
+    answer's bytes, or raises; counted and mapped to its status like every call."""
+    call = Call(api.metrics, method, rpc)
+    try:
+        payload = work()
+    except Exception as error:
+        call.answer(error)
+        return
+    call.answer(None, payload)

@@ -10,56 +10,70 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
-from model.mask_kinds import MaskKind
-from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
-from serve.protocols.edge import Call, deadline_of, start_call
-from serve.core import tasks
-from serve.core.engine import Engine
+from serve.core.pooling import POOLINGS
+from serve.core.requests import EncodeResult, mask_choice
+from serve.core.tasks import classify, encode, rerank, sparse, tokens
+from serve.core.tasks.encode import EncodeTask
+from serve.core.tasks.inputs import Inputs, TextOptions, direction
 from serve.errors import Unavailable, ValidationError
-from serve.protocols.status import to_status
-from serve.core.metrics import Metrics
+from serve.protocols.edge import Api, Call, deadline_of, start_task
 from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.status import to_status
 from serve.protocols.tensors import from_numpy, to_numpy
 
-_POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_FIRST: "first", pb.POOLING_LAST: "last"}
+# the Pooling enum's values by name (serve/core/pooling.py POOLINGS: the one list of poolings)
+_POOLING = {getattr(pb, f"POOLING_{name.upper()}"): name for name in POOLINGS}
+# encoder.v1's methods that run a task verb (serve/core/tasks/): a method that does not fit a model's task
+# is refused naming the task and the methods that fit it
+METHODS = {"Encode": "encode", "Rerank": "rerank", "Classify": "classify", "EmbedSparse": "sparse",
+           "Tokenize": "tokenize"}
 
 
-def request_from_proto(msg: "pb.EncodeRequest", engine: Engine, max_bytes: int) -> EncodeRequest:
+def _prompt(msg) -> str | None:
+    return msg.prompt_name if msg.HasField("prompt_name") else None
+
+
+def _text(msg, prompts: bool = True) -> TextOptions:
+    return TextOptions(truncate=bool(msg.truncate), direction=direction(msg.truncation_direction),
+                       prompt_name=_prompt(msg) if prompts else None)
+
+
+def _size(msg, max_bytes: int) -> None:
     size = msg.ByteSize()
     if size > max_bytes:
         raise ValidationError(f"request: {size} bytes exceed max_request_bytes={max_bytes}")
+
+
+def encode_task(msg: "pb.EncodeRequest", engine, max_bytes: int) -> EncodeTask:
+    _size(msg, max_bytes)
     config = engine.export.config
     layout = "[T]" if config.input_kind == "tokens" else f"[T, {config.d_model}]"
     # at most 2-d here, whatever the model: which dtype and shape it takes is the core's rule
     # (serve/core/requests.py), so features sent to a token model are told it takes INT64/INT32 ids
     sequences = tuple(to_numpy(t, f"sequences[{i}]", layout, 2) for i, t in enumerate(msg.sequences))
-    try:  # no mask set: the model's natural mask (resolved by core/requests.py to_rows)
-        kind = MaskKind(msg.mask.kind) if msg.HasField("mask") else None
-    except ValueError:
-        raise ValidationError(f"mask.kind: unknown value {msg.mask.kind}") from None
     custom = (to_numpy(msg.mask.custom, "mask.custom", "[T, T] or [B, T, T]", 3)
               if msg.mask.HasField("custom") else None)
-    pooling = _POOLING.get(msg.output.pooling)
-    if pooling is None and msg.output.pooling != pb.POOLING_DEFAULT:
-        raise ValidationError(f"output.pooling: unknown value {msg.output.pooling}")
-    return EncodeRequest(
-        sequences=sequences,
-        mask=MaskChoice(kind, bool(msg.mask.causal), int(msg.mask.window), int(msg.mask.step), custom),
-        hidden_states=bool(msg.output.hidden_states),
-        pooling=pooling or "",  # "": the model's default, and normalize None too (the Engine resolves them)
-        normalize=msg.output.normalize if msg.output.HasField("normalize") else None,
-        request_id=msg.request_id,
-        texts=tuple(msg.texts),
-        truncate=bool(msg.truncate),
+    output = msg.output
+    pooling = _POOLING.get(output.pooling)
+    if pooling is None and output.pooling != pb.POOLING_DEFAULT:
+        raise ValidationError(f"output.pooling: unknown value {output.pooling}")
+    return EncodeTask(
+        Inputs(tuple(msg.texts), sequences, text=_text(msg)),
+        # no mask set: the model's natural mask (resolved by core/requests.py to_rows)
+        mask_choice(msg.mask.kind if msg.HasField("mask") else None, bool(msg.mask.causal), int(msg.mask.window),
+                    int(msg.mask.step), custom, field="mask.kind"),
+        hidden_states=bool(output.hidden_states),
+        pooling=pooling or "",  # "": the model's default, and normalize None too (the verb resolves them)
+        normalize=output.normalize if output.HasField("normalize") else None,
+        dimensions=output.dimensions if output.HasField("dimensions") else None,
         chunk=bool(msg.chunk),
-        prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None,
-        truncation_direction=tasks.truncation_direction(msg.truncation_direction or None),
+        request_id=msg.request_id,
     )
 
 
-def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> "pb.EncodeResponse":
+def response_to_proto(result: EncodeResult, engine, received: float) -> "pb.EncodeResponse":
     results = []
     for out in result.outputs:
         item = pb.SequenceResult()
@@ -74,7 +88,7 @@ def response_to_proto(result: EncodeResult, engine: Engine, received: float) -> 
                              metadata=response_metadata(result, engine, received))
 
 
-def response_metadata(result: EncodeResult, engine: Engine, received: float) -> "pb.ResponseMetadata":
+def response_metadata(result: EncodeResult, engine, received: float) -> "pb.ResponseMetadata":
     """Every method's answer metadata: the model, the timings, the batch, the tokens."""
     return pb.ResponseMetadata(
         model_name=engine.name,
@@ -96,67 +110,43 @@ def response_metadata(result: EncodeResult, engine: Engine, received: float) -> 
     )
 
 
-# encoder.v1's methods -> what they do (serve/core/tasks.py OPERATIONS): a method that does not fit a
-# model's task is refused naming the task and the methods that fit it
-METHODS = {"Encode": "hidden_states", "Rerank": "rerank", "Classify": "predict", "EmbedSparse": "embed_sparse",
-           "Tokenize": "tokenize"}
+def rerank_task(msg: "pb.RerankRequest") -> rerank.RerankTask:
+    return rerank.RerankTask(msg.query, tuple(msg.documents), _text(msg, prompts=False), top_n=msg.top_n or None,
+                             raw_scores=msg.raw_scores, request_id=msg.request_id)
 
 
-def rerank_request(msg: "pb.RerankRequest", engine: Engine) -> EncodeRequest:
-    engine.check("rerank", "Rerank", METHODS)
-    query = tasks.query(msg.query)
-    documents = tasks.documents(list(msg.documents))
-    return EncodeRequest(sequences=(), pairs=tuple((query, d) for d in documents), request_id=msg.request_id,
-                         truncate=bool(msg.truncate), pair_fields=("query", "documents[{i}]"),
-                         truncation_direction=tasks.truncation_direction(msg.truncation_direction or None))
-
-
-def rerank_response(msg: "pb.RerankRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
-    scores = engine.scores(result, msg.raw_scores)[:, 0]
-    order = tasks.ranking(scores, msg.top_n or None)
+def rerank_response(msg: "pb.RerankRequest", result: rerank.Ranking, engine, received: float) -> bytes:
     return pb.RerankResponse(
         request_id=msg.request_id,
-        results=[pb.RankedDocument(index=i, score=float(scores[i]),
+        results=[pb.RankedDocument(index=i, score=float(result.scores[i]),
                                    document=msg.documents[i] if msg.return_documents else "")
-                 for i in order.tolist()],
-        metadata=response_metadata(result, engine, received)).SerializeToString()
+                 for i in result.order.tolist()],
+        metadata=response_metadata(result.run, engine, received)).SerializeToString()
 
 
-def classify_request(msg: "pb.ClassifyRequest", engine: Engine) -> EncodeRequest:
-    engine.check("predict", "Classify", METHODS)
-    if msg.texts and msg.pairs:
-        raise ValidationError("texts: send either texts or pairs, not both")
-    common = dict(sequences=(), request_id=msg.request_id, truncate=bool(msg.truncate),
-                  truncation_direction=tasks.truncation_direction(msg.truncation_direction or None))
-    if msg.pairs:
-        return EncodeRequest(pairs=tuple((p.first, p.second) for p in msg.pairs),
-                             pair_fields=("pairs[{i}].first", "pairs[{i}].second"), **common)
-    return EncodeRequest(texts=tuple(msg.texts), prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None,
-                         **common)
+def classify_task(msg: "pb.ClassifyRequest") -> classify.ClassifyTask:
+    return classify.ClassifyTask(tuple(msg.texts), tuple((p.first, p.second) for p in msg.pairs),
+                                 _text(msg, prompts=not msg.pairs), raw_scores=msg.raw_scores,
+                                 request_id=msg.request_id, pair_fields=("pairs[{i}].first", "pairs[{i}].second"))
 
 
-def classify_response(msg: "pb.ClassifyRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
-    ranked = tasks.predictions(engine.scores(result, msg.raw_scores), engine.labels)
+def classify_response(msg: "pb.ClassifyRequest", result: classify.Predictions, engine, received: float) -> bytes:
     return pb.ClassifyResponse(
         request_id=msg.request_id,
         results=[pb.Classification(labels=[pb.LabelScore(label=label, score=score) for label, score in row])
-                 for row in ranked],
-        metadata=response_metadata(result, engine, received)).SerializeToString()
+                 for row in result.ranked],
+        metadata=response_metadata(result.run, engine, received)).SerializeToString()
 
 
-def sparse_request(msg: "pb.EmbedSparseRequest", engine: Engine) -> EncodeRequest:
-    engine.check("embed_sparse", "EmbedSparse", METHODS)
-    return EncodeRequest(sequences=(), texts=tuple(msg.texts), request_id=msg.request_id, truncate=bool(msg.truncate),
-                         truncation_direction=tasks.truncation_direction(msg.truncation_direction or None),
-                         prompt_name=msg.prompt_name if msg.HasField("prompt_name") else None)
+def sparse_task(msg: "pb.EmbedSparseRequest") -> sparse.SparseTask:
+    return sparse.SparseTask(Inputs(tuple(msg.texts), text=_text(msg)), request_id=msg.request_id)
 
 
-def sparse_response(msg: "pb.EmbedSparseRequest", result: EncodeResult, engine: Engine, received: float) -> bytes:
+def sparse_response(msg: "pb.EmbedSparseRequest", result: sparse.SparseVectors, engine, received: float) -> bytes:
     return pb.EmbedSparseResponse(
         request_id=msg.request_id,
-        results=[pb.SparseEmbedding(indices=index.tolist(), values=values.tolist())
-                 for index, values in tasks.sparse_rows(result.scores)],
-        metadata=response_metadata(result, engine, received)).SerializeToString()
+        results=[pb.SparseEmbedding(indices=index.tolist(), values=values.tolist()) for index, values in result.rows],
+        metadata=response_metadata(result.run, engine, received)).SerializeToString()
 
 
 _DRAINING = object()  # EncodeStream: the server began to drain
@@ -178,60 +168,49 @@ class _Message:
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback()
-SERVICE = pb.DESCRIPTOR.services_by_name['EncoderService'].full_name
-ENCODE = f"/{SERVICE}/Encode"
-RERANK, CLASSIFY, EMBED_SPARSE = (f"/{SERVICE}/{m}" for m in ("Rerank", "Classify", "EmbedSparse"))
+SERVICE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
-    def __init__(self, engine: Callable[..., Engine], metrics: Metrics, max_request_bytes: int) -> None:
-        # engine(context, on_drain=None): admits the call (counted in flight until it ends, so a drain
-        # waits for it); raises Unavailable until loaded, and while shutting down (EncoderServer.admit)
-        self._engine = engine
-        self._metrics = metrics
+    def __init__(self, api: Api, max_request_bytes: int) -> None:
+        self._api = api
+        self._metrics = api.metrics
         self._max_bytes = max_request_bytes
 
-    def start_encode(self, rpc, request) -> None:
-        """Encode, started (serve/transport/rpc.py): admitted, checked and queued here; answered from
-        the batcher's thread once its batch has run. No thread waits for it."""
-        def submit():
-            engine = self._engine(rpc, model=request.model)
-            return engine, engine.submit(request_from_proto(request, engine, self._max_bytes), rpc.deadline)
+    def _start(self, method: str, rpc, msg, submit, render) -> None:
+        """A task method, started (serve/transport/rpc.py): admitted, checked and queued here by `submit(engine)`
+        (a task verb); answered from the batcher's thread by `render(result, engine, received)`."""
+        def checked(engine):
+            _size(msg, self._max_bytes)
+            return submit(engine)
 
-        start_call(self._metrics, "Encode", rpc, submit,
-                   lambda engine, result, call: response_to_proto(result, engine, call.received).SerializeToString())
+        start_task(self._api, method, rpc, msg.model, METHODS[method], METHODS, checked,
+                   lambda engine, result, call: render(result, engine, call.received), method)
 
-    def _start(self, method: str, rpc, msg, build, render) -> None:
-        """A task method, started as Encode is: `build(msg, engine)` makes the core's request (its
-        checks), `render(msg, result, engine, received)` the answer's bytes once its batch has run."""
-        def submit():
-            engine = self._engine(rpc, model=msg.model)
-            size = msg.ByteSize()
-            if size > self._max_bytes:
-                raise ValidationError(f"request: {size} bytes exceed max_request_bytes={self._max_bytes}")
-            return engine, engine.submit(build(msg, engine), rpc.deadline)
-
-        start_call(self._metrics, method, rpc, submit,
-                   lambda engine, result, call: render(msg, result, engine, call.received))
+    def start_encode(self, rpc, msg) -> None:
+        self._start("Encode", rpc, msg,
+                    lambda engine: encode.submit(engine, encode_task(msg, engine, self._max_bytes), rpc.deadline),
+                    lambda result, engine, received: response_to_proto(result, engine, received).SerializeToString())
 
     def start_rerank(self, rpc, msg) -> None:
-        self._start("Rerank", rpc, msg, rerank_request, rerank_response)
+        self._start("Rerank", rpc, msg, lambda engine: rerank.submit(engine, rerank_task(msg), rpc.deadline),
+                    lambda result, engine, received: rerank_response(msg, result, engine, received))
 
     def start_classify(self, rpc, msg) -> None:
-        self._start("Classify", rpc, msg, classify_request, classify_response)
+        self._start("Classify", rpc, msg, lambda engine: classify.submit(engine, classify_task(msg), rpc.deadline),
+                    lambda result, engine, received: classify_response(msg, result, engine, received))
 
     def start_embed_sparse(self, rpc, msg) -> None:
-        self._start("EmbedSparse", rpc, msg, sparse_request, sparse_response)
+        self._start("EmbedSparse", rpc, msg, lambda engine: sparse.submit(engine, sparse_task(msg), rpc.deadline),
+                    lambda result, engine, received: sparse_response(msg, result, engine, received))
 
     def Tokenize(self, request, context):
         with Call(self._metrics, "Tokenize", context):
-            engine = self._engine(context, model=request.model)
-            texts = tasks.texts_of(list(request.texts), "texts")
-            engine.limits.check_count(len(texts), "texts")
-            tokens = engine.tokenize(texts, request.add_special_tokens if request.HasField("add_special_tokens")
-                                     else True, request.prompt_name if request.HasField("prompt_name") else None)
+            engine = self._api.admit(context, model=request.model)
+            task = tokens.TokenizeTask(tuple(request.texts), request.add_special_tokens
+                                       if request.HasField("add_special_tokens") else True, _prompt(request))
             return pb.TokenizeResponse(results=[pb.TokenizedText(tokens=[pb.Token(**t) for t in row])
-                                                for row in tokens])
+                                                for row in tokens.tokenize(engine, task)])
 
     def EncodeStream(self, request_iterator, context) -> Iterator["pb.EncodeStreamResponse"]:
         with Call(self._metrics, "EncodeStream", context):
@@ -245,7 +224,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             with admitting:
                 pending.put(_DRAINING)
 
-        self._engine(context, on_drain=on_drain, model=None)  # counted in flight; each message names its model
+        self._api.admit(context, on_drain=on_drain, model=None)  # counted in flight; each message names its model
         deadline = deadline_of(context)
         tickets = []
         context.add_callback(lambda: [t.cancel() for t in list(tickets)])
@@ -259,9 +238,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                             # each message counts against its model until answered, so an unload or a
                             # reload of that model waits for it (serve/core/admission.py wait_engine)
                             message = _Message()
-                            engine = self._engine(message, model=msg.model)
+                            engine = self._api.admit(message, model=msg.model)
                             try:
-                                ticket = engine.submit(request_from_proto(msg, engine, self._max_bytes), deadline)
+                                ticket = encode.submit(engine, encode_task(msg, engine, self._max_bytes), deadline)
                             except Exception:
                                 message.end()
                                 raise
@@ -290,7 +269,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             if admitted is not None:
                 engine, ticket = admitted
                 try:
-                    result = engine.wait(ticket, deadline)
+                    result = ticket.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
                     self._metrics.sequences.inc(len(result))
                     self._metrics.requests.labels("EncodeStream.item", "OK").inc()
                     yield pb.EncodeStreamResponse(response=response_to_proto(result, engine, started))
@@ -306,7 +285,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def GetModelInfo(self, request, context):
         with Call(self._metrics, "GetModelInfo", context):
-            d = self._engine(context, model=request.model).describe()
+            d = self._api.admit(context, model=request.model).describe()
             return pb.ModelInfo(
                 name=d.name, version=d.version, sha256=d.sha256, config_json=d.config_json, opset=d.opset,
                 inputs=[pb.TensorInfo(name=i["name"], dtype=i["dtype"], dims=[str(x) for x in i["dims"]])
@@ -324,3 +303,15 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 default_prompt_name=d.default_prompt_name, natural_mask=d.natural_mask,
                 embedding_width=d.embedding_width,
             )
+
+
+def add_encoder_to_server(api: Api, max_request_bytes: int, server) -> EncoderServicer:
+    """Registers `encoder.v1.EncoderService` (serve/transport/rpc.py Registry): its task methods started (answered
+    from their batch: no thread waits per call), the others as servicer methods."""
+    servicer = EncoderServicer(api, max_request_bytes)
+    pb_grpc.add_EncoderServiceServicer_to_server(servicer, server)
+    for method, start in (("Encode", servicer.start_encode), ("Rerank", servicer.start_rerank),
+                          ("Classify", servicer.start_classify), ("EmbedSparse", servicer.start_embed_sparse)):
+        request = getattr(pb, pb.DESCRIPTOR.services_by_name["EncoderService"].methods_by_name[method].input_type.name)
+        server.add_started(f"/{SERVICE}/{method}", start, request.FromString)
+    return servicer

@@ -2,6 +2,13 @@
 protobuf messages of serve/protocols/kserve_v2.py, whose conversion (`request_from_v2`, `response_to_v2`,
 `model_metadata`) then runs unchanged: the same checks and the same messages as gRPC ModelInfer.
 
+  GET  /v2                                        server metadata
+  GET  /v2/models/{model}[/versions/{version}]    model metadata
+  GET  .../ready                                  model readiness (200, else 503)
+  POST .../infer                                  inference
+  POST /v2/repository/...                         Triton's repository extension (serve/protocols/repository_api.py)
+  (GET /v2/health/live and /ready: serve/protocols/health.py)
+
 JSON tensors go into the typed `contents`; tensors in the binary tensor extension (the body is
 `Inference-Header-Content-Length` bytes of JSON, then each input's `binary_data_size` bytes in input
 order) go into `raw_input_contents` when every input is binary (the common tritonclient case), else into
@@ -11,14 +18,14 @@ the typed contents too. Outputs come back as JSON lists, or binary when asked
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import orjson
 
 from serve.errors import NotFound, ValidationError, clip, quote
 from serve.protocols import kserve_v2 as kserve
-from serve.protocols.edge import json_object
+from serve.protocols import repository_api
+from serve.protocols.edge import Api, answer_now, json_object
+from serve.protocols.routing import Family, HttpCall, Route
 
 M = kserve.M
 HEADER = b"inference-header-content-length"
@@ -194,57 +201,57 @@ def infer_response(engine, result, requested: list[str], length: int, request_id
     return header + b"".join(tail), [(HEADER, str(len(header)).encode())], b"application/octet-stream"
 
 
-class KServeRest:
-    """The v2 REST routes (serve/transport/http.py hands it every /v2/... path but health):
-    GET /v2, GET /v2/models/{name}[/versions/{v}], GET .../ready, POST .../infer, and the model
-    repository extension's POST /v2/repository/... (serve/protocols/repository_api.py). Inference goes
-    through the gRPC adapter's started ModelInfer (the same admission, checks, batching and metrics);
-    only the body's form changes here."""
+def server_metadata(api: Api, rpc, call: HttpCall) -> None:
+    """The server's name, version and protocol extensions."""
+    answer_now(api, "v2.ServerMetadata", rpc, lambda: orjson.dumps(
+        {"name": kserve.SERVER_NAME, "version": kserve.server_version(), "extensions": kserve.EXTENSIONS}))
 
-    def __init__(self, servicer: "kserve.KServeServicer", engine, repository=None) -> None:
-        self._servicer = servicer
-        self._engine = engine  # admission's engine(): Unavailable unless serving
-        self._repository = repository  # POST /v2/repository/...: serve/protocols/repository_api.py
 
-    def route(self, rpc, method: str, path: str, body: bytes, headers) -> None:
-        from serve.protocols.edge import Call
+def model_metadata(api: Api, rpc, call: HttpCall) -> None:
+    """A model's name, versions, platform, inputs and outputs."""
+    def work() -> bytes:
+        kserve.check_version(call.params["model"], call.params.get("version", ""), NotFound)
+        return orjson.dumps(metadata_json(api.engine(call.params["model"])))
 
-        parts = path.strip("/").split("/")
-        if parts == ["v2"] and method == "GET":
-            meta = self._servicer.ServerMetadata(None, rpc)
-            rpc.reply(json.dumps({"name": meta.name, "version": meta.version,
-                                  "extensions": list(meta.extensions)}).encode())
-            return
-        if parts[1:2] == ["repository"] and self._repository is not None:
-            self._repository.route(rpc, method, parts[1:], body)
-            return
-        if len(parts) < 3 or parts[1] != "models":
-            raise NotFound(f"{method} {path}: no such endpoint")
-        name, rest = parts[2], parts[3:]
-        version = ""
-        if rest[:1] == ["versions"] and len(rest) >= 2:
-            version, rest = rest[1], rest[2:]
-        if method == "GET" and not rest:
-            call = Call(None, "v2.ModelMetadata", rpc)
-            try:
-                kserve.check_version(name, version, NotFound)
-                payload = json.dumps(metadata_json(self._engine(model=name))).encode()
-            except Exception as error:
-                call.answer(error)
-                return
-            call.answer(None, payload)
-        elif method == "GET" and rest == ["ready"]:
-            kserve.check_version(name, version, NotFound)
-            self._engine(model=name)
-            rpc.reply(json.dumps({"name": name, "ready": True}).encode())
-        elif method == "POST" and rest == ["infer"]:
-            length = next((v for k, v in headers if k == HEADER.decode()), None)
-            if length is not None and not length.isdigit():
-                raise ValidationError(f"Inference-Header-Content-Length: {quote(length)} is not a byte count")
-            request, binary = infer_request(body, int(length) if length is not None else None, name, version)
-            rpc.render = lambda answer: answer  # infer_response made the (body, headers, content type)
-            self._servicer.start_infer(
-                rpc, request, lambda engine, result, outputs, length, id: infer_response(
-                    engine, result, outputs, length, id, binary))
-        else:
-            raise NotFound(f"{method} {path}: no such endpoint")
+    answer_now(api, "v2.ModelMetadata", rpc, work)
+
+
+def model_ready(api: Api, rpc, call: HttpCall) -> None:
+    """Whether the model is served and the server ready (200), else 503."""
+    def work() -> bytes:
+        name = call.params["model"]
+        kserve.check_version(name, call.params.get("version", ""), NotFound)
+        api.engine(name)  # NotFound naming the served models; Unavailable unless serving
+        ready = api.ready()
+        rpc.status = 200 if ready else 503
+        return orjson.dumps({"name": name, "ready": ready})
+
+    answer_now(api, "v2.ModelReady", rpc, work)
+
+
+def infer(api: Api, rpc, call: HttpCall) -> None:
+    """Inference: the v2 request in JSON (or the binary tensor extension), as gRPC ModelInfer runs it."""
+    length = call.header(HEADER.decode())
+    if length is not None and not length.isdigit():
+        raise ValidationError(f"Inference-Header-Content-Length: {quote(length)} is not a byte count")
+    request, binary = infer_request(call.body, int(length) if length is not None else None,
+                                    call.params["model"], call.params.get("version", ""))
+    rpc.render = lambda answer: answer  # infer_response made the (body, headers, content type)
+    kserve.start_infer(api, rpc, request,
+                       lambda engine, result, outputs, length, id: infer_response(engine, result, outputs, length,
+                                                                                   id, binary),
+                       route=rpc.method, routes=call.verbs)
+
+
+MODEL = "/v2/models/{model}"
+VERSION = "/v2/models/{model}/versions/{version}"
+FAMILY = Family("kserve", error_body, (
+    Route("GET", "/v2", server_metadata, body="none"),
+    Route("GET", MODEL, model_metadata, body="none"),
+    Route("GET", VERSION, model_metadata, body="none"),
+    Route("GET", f"{MODEL}/ready", model_ready, body="none"),
+    Route("GET", f"{VERSION}/ready", model_ready, body="none"),
+    Route("POST", f"{MODEL}/infer", infer, "encode", body="raw"),
+    Route("POST", f"{VERSION}/infer", infer, "encode", body="raw"),
+    *repository_api.ROUTES,
+))

@@ -1,8 +1,9 @@
 """KServe v2 / Open Inference Protocol gRPC service (`inference.GRPCInferenceService`) on the same core.
 
-tritonclient.grpc and KServe clients work unchanged. The servicer converts v2 messages to our own
-EncodeRequest and back, nothing more: validation, admission and batching are the Engine's, and
-deadline, metrics and status codes are the shared edge's (serve/protocols/edge.py), as for the Encode service.
+tritonclient.grpc and KServe clients work unchanged. The servicer converts v2 messages to the encode verb's
+request (serve/core/tasks/encode.py) and its result back, nothing more: validation, admission and batching
+are the core's, and deadline, metrics and status codes are the shared edge's (serve/protocols/edge.py), as
+for the Encode service.
 
 The v2 view of the served export (ModelMetadata says the same):
   inputs   input_ids       INT64|INT32 [B, T]     (inputs_embeds FP32 [B, T, D] for feature models)
@@ -15,8 +16,9 @@ The v2 view of the served export (ModelMetadata says the same):
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
            embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
   request parameters (all optional): mask_kind (label or int), window, step, causal,
-           pooling ("mean" | "first" | "last" | "none"), normalize, truncate (texts over the tokenizer's
-           max_length are cut instead of refused)
+           pooling ("mean" | "first" | "last" | "none"), normalize, dimensions (Matryoshka: the first N
+           values of each embedding), truncate (texts over the tokenizer's max_length are cut instead of
+           refused)
   With texts, T of last_hidden_state is the longest text's token count.
   response parameters: batch_size (rows in the session.run that computed the request's longest row),
            batch_sequence_length (that run's padded length), execution_provider (as Encode's metadata)
@@ -39,12 +41,15 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
-from model.mask_kinds import MaskKind
-from serve.core.requests import EncodeRequest, EncodeResult, MaskChoice
-from serve.protocols.edge import Call, start_call
 from serve.core.engine import Engine
+from serve.core.pooling import pooling_name, resolve_pooling
+from serve.core.requests import EncodeResult, MaskChoice, mask_choice
+from serve.core.tasks import encode
+from serve.core.tasks.encode import EncodeTask
+from serve.core.tasks.inputs import Inputs, TextOptions
 from serve.errors import ServeError, ValidationError, clip, listing, quote
-from serve.core.metrics import Metrics
+from serve.protocols import fields
+from serve.protocols.edge import Api, Call, start_task
 from serve.protocols.pb import kserve_descriptors
 from serve.protocols.tensors import array_from_bytes, check_shape
 
@@ -94,50 +99,10 @@ class ReflectionPool:
 
 # -- protobuf -> numpy / our request ----------------------------------------------------------
 
-def _param(params, name: str, default):
-    """The value of request parameter `name` (bool, int or string), or `default`."""
-    if name not in params:
-        return default
-    which = params[name].WhichOneof("parameter_choice")
-    if which is None:
-        return default
-    return getattr(params[name], which)
-
-
-def _int_param(params, name: str, default: int) -> int:
-    value = _param(params, name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValidationError(f"parameters.{name}: expected an integer, got {quote(value)}")
-    try:
-        return int(value)
-    except ValueError:  # also a string of over 4300 digits (Python's int limit)
-        raise ValidationError(f"parameters.{name}: expected an integer, got {quote(value)}") from None
-
-
-def _bool_param(params, name: str, default: bool) -> bool:
-    value = _param(params, name, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ValidationError(f"parameters.{name}: expected a boolean, got {quote(value)}")
-
-
-def _mask_kind(params) -> MaskKind | None:
-    value = _param(params, "mask_kind", None)
-    if value is None:  # not given: the model's natural mask (resolved by core/requests.py to_rows)
-        return None
-    if isinstance(value, str) and len(value) <= 64:  # longer is no kind (and int() of it is costly)
-        try:
-            return MaskKind(int(value)) if value.isdigit() else MaskKind.parse(value)
-        except ValueError:
-            pass
-    if isinstance(value, int) and not isinstance(value, bool) and value in MaskKind._value2member_map_:
-        return MaskKind(value)
-    raise ValidationError(f"parameters.mask_kind: unknown value {quote(value)}; "
-                          f"expected one of {', '.join(k.label for k in MaskKind)}")
+def _params(msg) -> dict:
+    """The request's parameters as {name: value} (serve/protocols/fields.py reads them, leniently: v2 clients
+    send booleans and integers as strings too)."""
+    return fields.parameter_values(msg.parameters)
 
 
 def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
@@ -255,18 +220,21 @@ def _check_inputs(msg, known: set[str]) -> None:
                               f"each output once")
 
 
-def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]:
-    """(our request, the outputs to return, the padded length T of the batch)."""
+def request_from_v2(msg, engine: Engine) -> tuple[EncodeTask, list[str], int]:
+    """(the encode task, the outputs to return, the padded length T of the batch: 0 for texts, known only once
+    they are tokenized)."""
     first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
     known = {first, "attention_mask", "custom_mask"} | ({"texts"} if engine.export.has_tokenizer else set())
     _check_inputs(msg, known)
     raws = list(msg.raw_input_contents) or [None] * len(msg.inputs)
     texts = next((texts_from_v2(t, raw) for t, raw in zip(msg.inputs, raws) if t.name == "texts"), None)
     tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws) if t.name != "texts"}
+    params = _params(msg)
     if texts is not None:
         if tensors:
             raise ValidationError(f"inputs: send either texts or {first} (with its masks), not both")
-        return _text_request(msg, engine, texts)
+        inputs = Inputs(texts, text=TextOptions(truncate=_flag(params, "truncate")))
+        return _task(msg, params, engine, inputs, _mask(params, None)) + (0,)
     if first not in tensors:
         raise ValidationError(f"inputs: missing {first}")
     ids = tensors[first]
@@ -276,54 +244,53 @@ def request_from_v2(msg, engine: Engine) -> tuple[EncodeRequest, list[str], int]
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
     custom = _cut_custom(tensors.get("custom_mask"), lengths)
     # the tensor itself, with each row's length: the core checks it at once and never cuts it up
-    request, requested = _request(msg, engine, sequences=ids, lengths=None if min(lengths) == length else lengths,
-                                  mask=_mask(msg.parameters, custom))
-    return request, requested, length
+    inputs = Inputs(sequences=ids, lengths=None if min(lengths) == length else lengths)
+    return _task(msg, params, engine, inputs, _mask(params, custom)) + (length,)
 
 
 def outputs_of(engine: Engine) -> tuple[str, ...]:
     """The v2 outputs of a model: the hidden states, and its embeddings or, for a model with a head
-    (serve/core/tasks.py), the head's output ("logits" [B, labels], "sparse_embedding" [B, vocab])."""
+    (serve/core/tasks/), the head's output ("logits" [B, labels], "sparse_embedding" [B, vocab])."""
     return OUTPUTS if engine.task == "embed" else ("last_hidden_state", engine.export.row_output)
 
 
-def _request(msg, engine: Engine, **inputs) -> tuple[EncodeRequest, list[str]]:
-    """Our request for `inputs` (sequences or texts, and the mask) with the outputs `msg` asks for."""
-    if engine.task != "embed":  # a head's output, raw (the activation and labels are the task APIs')
-        outputs = outputs_of(engine)
+def _flag(params: dict, name: str) -> bool:
+    return fields.flag(params, name, field=f"parameters.{name}", lenient=True)
+
+
+def _integer(params: dict, name: str, default: int) -> int:
+    return fields.integer(params, name, default, field=f"parameters.{name}", lenient=True)
+
+
+def _task(msg, params: dict, engine: Engine, inputs: Inputs, mask: MaskChoice) -> tuple[EncodeTask, list[str]]:
+    """The encode task for `inputs` with the outputs `msg` asks for (a model with a head answers its head's
+    output, raw: the activation and labels are the task APIs')."""
+    outputs = outputs_of(engine)
+    pooling = pooling_name(str(params.get("pooling") or ""), field="parameters.pooling")
+    if engine.task == "embed":  # which outputs a model has depends on its default pooling (ModelMetadata)
+        pooling = resolve_pooling(pooling, engine.export.default_pooling)
+        requested = [o.name for o in msg.outputs] or [o for o in outputs if o != "embeddings" or pooling != "none"]
+    else:
         requested = [o.name for o in msg.outputs] or [outputs[1]]
-        for name in requested:
-            if name not in outputs:
-                raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(outputs)}")
-        return EncodeRequest(hidden_states="last_hidden_state" in requested, request_id=msg.id, **inputs), requested
-    pooling = engine.pooling(str(_param(msg.parameters, "pooling", "")), field="parameters.pooling")
-    requested = [o.name for o in msg.outputs] or [o for o in OUTPUTS if o != "embeddings" or pooling != "none"]
     for name in requested:
-        if name not in OUTPUTS:
-            raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(OUTPUTS)}")
-    if "embeddings" in requested and pooling == "none":
-        raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
-    request = EncodeRequest(
-        hidden_states="last_hidden_state" in requested,
-        pooling=pooling if "embeddings" in requested else "none",
-        normalize=_bool_param(msg.parameters, "normalize", False) if "normalize" in msg.parameters else None,
-        request_id=msg.id,
-        **inputs,
-    )
-    return request, requested
+        if name not in outputs:
+            raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(outputs)}")
+    if engine.task == "embed":
+        if "embeddings" in requested and pooling == "none":
+            raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
+        if "embeddings" not in requested:
+            pooling = "none"
+    dimensions = params.get("dimensions")
+    task = EncodeTask(inputs, mask, hidden_states="last_hidden_state" in requested, pooling=pooling,
+                      normalize=_flag(params, "normalize") if params.get("normalize") is not None else None,
+                      dimensions=None if dimensions is None else _integer(params, "dimensions", 0),
+                      request_id=msg.id)
+    return task, requested
 
 
-def _mask(params, custom: np.ndarray | None) -> MaskChoice:
-    return MaskChoice(_mask_kind(params), _bool_param(params, "causal", False),
-                      _int_param(params, "window", 0), _int_param(params, "step", 1), custom)
-
-
-def _text_request(msg, engine: Engine, texts: tuple[str, ...]) -> tuple[EncodeRequest, list[str], int]:
-    """Texts go through the Engine's tokenizer like Encode's `texts`; the padded length T of the
-    response is known only once they are tokenized (0 here: response_to_v2 takes the longest)."""
-    request, requested = _request(msg, engine, sequences=(), texts=texts, mask=_mask(msg.parameters, None),
-                                  truncate=_bool_param(msg.parameters, "truncate", False))
-    return request, requested, 0
+def _mask(params: dict, custom: np.ndarray | None) -> MaskChoice:
+    return mask_choice(params.get("mask_kind"), _flag(params, "causal"), _integer(params, "window", 0),
+                       _integer(params, "step", 1), custom, field="parameters.mask_kind")
 
 
 def _cut_custom(custom: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:
@@ -419,68 +386,79 @@ def _row_width(engine: Engine) -> int:
 
 # -- the servicer -------------------------------------------------------------------------------
 
-class KServeServicer:
-    def __init__(self, engine: Callable[..., Engine], metrics: Metrics | None = None) -> None:
-        # engine(context=None): admits the call (counted in flight until it ends, so a drain waits for
-        # it); raises Unavailable until loaded and while shutting down (EncoderServer.admit)
-        self._engine = engine
-        self._metrics = metrics
+METHODS = {"ModelInfer": "encode"}  # the v2 methods that run a task verb (serve/core/tasks/): every model's
 
-    def _ready(self, model: str | None = None) -> bool:
-        """Whether `model` is served (None: whether the server serves at all)."""
-        try:
-            self._engine(model=model)
-        except ServeError:
-            return False
-        return True
+
+class KServeServicer:
+    def __init__(self, api: Api) -> None:
+        self._api = api
 
     def _model(self, name: str, version: str, context: grpc.ServicerContext) -> Engine:
         check_version(name, version)
-        return self._engine(context, model=name)
+        return self._api.admit(context, model=name)
 
     def ServerLive(self, request, context):
         return M["ServerLiveResponse"](live=True)
 
     def ServerReady(self, request, context):
-        return M["ServerReadyResponse"](ready=self._ready())
+        return M["ServerReadyResponse"](ready=self._api.ready())
 
     def ModelReady(self, request, context):
-        ready = (request.version in ("", MODEL_VERSION) and bool(request.name)
-                 and self._ready(request.name))
-        return M["ModelReadyResponse"](ready=ready)
+        return M["ModelReadyResponse"](ready=model_ready(self._api, request.name, request.version))
 
     def ServerMetadata(self, request, context):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            server_version = version("onnx-encoder-service")
-        except PackageNotFoundError:
-            server_version = "0.1.0"
-        return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version, extensions=EXTENSIONS)
+        return M["ServerMetadataResponse"](name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS)
 
     def ModelMetadata(self, request, context):
-        with Call(self._metrics, "v2.ModelMetadata", context):
+        with Call(self._api.metrics, "v2.ModelMetadata", context):
             return model_metadata(self._model(request.name, request.version, context))
 
-    def start_infer(self, rpc, request, answer: Callable[..., object] = grpc_answer) -> None:
-        """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered
-        from the batcher's thread once its batch has run, by `answer(engine, result, outputs, length,
-        id)` (gRPC: protobuf bytes; REST, serve/protocols/kserve_rest.py: its JSON or binary body)."""
-        asked = {}  # the outputs and padded length the answer takes (request_from_v2)
-
-        def submit():
-            engine = self._model(request.model_name, request.model_version, rpc)
-            ours, asked["outputs"], asked["length"] = request_from_v2(request, engine)
-            return engine, engine.submit(ours, rpc.deadline)
-
-        start_call(self._metrics, "v2.ModelInfer", rpc, submit,
-                   lambda engine, result, call: answer(engine, result, asked["outputs"], asked["length"], request.id))
+    def start_infer(self, rpc, request) -> None:
+        start_infer(self._api, rpc, request)
 
 
-def add_kserve_to_server(engine: Callable[..., Engine], metrics: Metrics | None, server) -> "KServeServicer":
+def start_infer(api: Api, rpc, request, answer: Callable[..., object] | None = None, route: str = "ModelInfer",
+                routes=METHODS) -> None:
+    """ModelInfer, started (serve/transport/rpc.py): admitted, checked and queued here; answered from the
+    batcher's thread once its batch has run, by `answer(engine, result, outputs, length, id)` (gRPC: protobuf
+    bytes; REST, serve/protocols/kserve_rest.py: its JSON or binary body)."""
+    answer = answer or grpc_answer
+    asked = {}  # the outputs and padded length the answer takes (request_from_v2)
+
+    def submit(engine):
+        check_version(request.model_name, request.model_version)
+        task, asked["outputs"], asked["length"] = request_from_v2(request, engine)
+        return encode.submit(engine, task, rpc.deadline)
+
+    start_task(api, "v2.ModelInfer", rpc, request.model_name, "encode", routes, submit,
+               lambda engine, result, call: answer(engine, result, asked["outputs"], asked["length"], request.id),
+               route)
+
+
+def model_ready(api: Api, name: str, version: str) -> bool:
+    """ModelReady: the server is ready (admission's one readiness) and serves `name` at `version`."""
+    if version not in ("", MODEL_VERSION) or not name or not api.ready():
+        return False
+    try:
+        api.engine(name)
+    except ServeError:
+        return False
+    return True
+
+
+def server_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onnx-encoder-service")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+def add_kserve_to_server(api: Api, server) -> "KServeServicer":
     """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry); returns the servicer
     (KServe v2 REST, serve/protocols/kserve_rest.py, calls it too)."""
-    servicer = KServeServicer(engine, metrics)
+    servicer = KServeServicer(api)
     handlers = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
         handlers[method] = grpc.unary_unary_rpc_method_handler(

@@ -24,26 +24,29 @@ on another, so that one changes nothing).
 Every call goes through the shared edge (serve/protocols/edge.py `Call`: metrics as
 `v2.RepositoryIndex` etc., status). gRPC calls run on the Router's worker threads; REST ones on this
 module's few threads, never on the HTTP transport's event loop (a load takes seconds, and an unload
-waits for the model's admitted calls, which that loop answers).
+waits for the model's admitted calls, which that loop answers). The repository itself is below the
+protocols (serve/core/model_index.py `Repository`; serve/assembly/repository.py implements it).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import grpc
 import orjson
 
 from serve import logs
-from serve.assembly.repository import READY, IndexEntry, ModelRepository
 from serve.core.engine import Reloaded
-from serve.core.metrics import Metrics
-from serve.errors import NotFound, Unsupported, ValidationError, quote
+from serve.core.model_index import READY, IndexEntry, Repository
+from serve.errors import Unsupported, ValidationError, quote
+from serve.protocols import fields
 from serve.protocols import kserve_v2 as kserve
-from serve.protocols.edge import Call, json_object
+from serve.protocols.edge import Api, Call
+from serve.protocols.routing import HttpCall, Route
 
 INDEX, LOAD, UNLOAD = "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"
-UNLOAD_PARAMETERS = {"unload_dependents": bool}  # accepted, and nothing to do: no model depends on another
+UNLOAD_PARAMETERS = {"unload_dependents": (bool, "true or false")}  # accepted; no model depends on another
 REST_THREADS = 4  # REST repository calls at once (a second load or unload is refused at once anyway)
 
 
@@ -57,133 +60,140 @@ def _check_repository(what: str, repository_name: str) -> None:
                           "repository (--model-repository); send repository_name empty")
 
 
-def _check_parameters(what: str, parameters: dict, known: dict[str, type]) -> None:
-    for key, value in parameters.items():
+def _check_parameters(what: str, parameters: dict, known: dict[str, tuple[type, str]]) -> None:
+    for key in parameters:
         if key == "config" or key.startswith("file:"):
             raise Unsupported(f"{what}: parameters[{quote(key)}]: loading with an override config or files is "
                               "not supported; the model is loaded from its repository folder as it is")
-        kind = known.get(key)
-        if kind is None:
+        if key not in known:
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
             raise ValidationError(f"{what}: parameters: unknown parameter {quote(key)}; {takes}")
-        if not isinstance(value, kind):
-            raise ValidationError(f"{what}: parameters[{quote(key)}]: {quote(value)} must be a {kind.__name__}")
+        kind, what_fits = known[key]
+        fields.value(parameters, key, (kind,), what=what_fits, field=f"{what}: parameters[{quote(key)}]")
 
 
-def _grpc_parameters(parameters) -> dict:
-    """A ModelRepositoryParameter map as {key: its value}."""
-    out = {}
-    for key, value in parameters.items():
-        which = value.WhichOneof("parameter_choice")
-        out[key] = getattr(value, which) if which is not None else None
-    return out
+# -- the calls, protocol-free (the admin service's too) -------------------------------------------
+
+def index(repository: Repository, ready: bool = False, repository_name: str = "") -> list[IndexEntry]:
+    """Every model of the repository with its state; `ready`: the READY ones only."""
+    _check_repository("index", repository_name)
+    entries = repository.index()
+    return [e for e in entries if e.state == READY] if ready else entries
 
 
-class RepositoryApi:
-    """The repository calls, protocol-free (`index`, `load`, `unload`: the admin service's too), and
-    their gRPC servicer methods and REST routes (module docstring)."""
+def load(repository: Repository, model: str, parameters: dict | None = None, repository_name: str = "") -> Reloaded:
+    """Loads `model` from the repository, or reloads it when it is served."""
+    _check_repository("load", repository_name)
+    _check_parameters("load", parameters or {}, {})
+    return repository.load(model)
 
-    def __init__(self, repository: ModelRepository, metrics: Metrics | None) -> None:
-        self._repository = repository
-        self._metrics = metrics
-        self._rest_pool = futures.ThreadPoolExecutor(max_workers=REST_THREADS, thread_name_prefix="repository",
-                                                     initializer=logs.name_thread, initargs=("repository",))
 
-    # -- the calls ---------------------------------------------------------------------------
-    def index(self, ready: bool = False, repository_name: str = "") -> list[IndexEntry]:
-        """Every model of the repository with its state; `ready`: the READY ones only."""
-        _check_repository("index", repository_name)
-        entries = self._repository.index()
-        return [e for e in entries if e.state == READY] if ready else entries
+def unload(repository: Repository, model: str, parameters: dict | None = None, repository_name: str = "") -> None:
+    """Stops serving `model` once every call admitted to it is answered."""
+    _check_repository("unload", repository_name)
+    _check_parameters("unload", parameters or {}, UNLOAD_PARAMETERS)
+    repository.unload(model)
 
-    def load(self, model: str, parameters: dict | None = None, repository_name: str = "") -> Reloaded:
-        """Loads `model` from the repository, or reloads it when it is served."""
-        _check_repository("load", repository_name)
-        _check_parameters("load", parameters or {}, {})
-        return self._repository.load(model)
 
-    def unload(self, model: str, parameters: dict | None = None, repository_name: str = "") -> None:
-        """Stops serving `model` once every call admitted to it is answered."""
-        _check_repository("unload", repository_name)
-        _check_parameters("unload", parameters or {}, UNLOAD_PARAMETERS)
-        self._repository.unload(model)
+# -- gRPC: inference.GRPCInferenceService ----------------------------------------------------------
 
-    # -- gRPC: inference.GRPCInferenceService ----------------------------------------------------
+class RepositoryServicer:
+    def __init__(self, api: Api) -> None:
+        self._api = api
+
     def RepositoryIndex(self, request, context):
-        with Call(self._metrics, f"v2.{INDEX}", context):
+        with Call(self._api.metrics, f"v2.{INDEX}", context):
             Model = kserve.M["RepositoryIndexResponse"].ModelIndex
-            entries = self.index(request.ready, request.repository_name)
+            entries = index(self._api.repository, request.ready, request.repository_name)
             return kserve.M["RepositoryIndexResponse"](
                 models=[Model(name=e.name, version=e.version, state=e.state, reason=e.reason) for e in entries])
 
     def RepositoryModelLoad(self, request, context):
-        with Call(self._metrics, f"v2.{LOAD}", context):
-            self.load(request.model_name, _grpc_parameters(request.parameters), request.repository_name)
+        with Call(self._api.metrics, f"v2.{LOAD}", context):
+            load(self._api.repository, request.model_name, fields.parameter_values(request.parameters),
+                 request.repository_name)
             return kserve.M["RepositoryModelLoadResponse"]()
 
     def RepositoryModelUnload(self, request, context):
-        with Call(self._metrics, f"v2.{UNLOAD}", context):
-            self.unload(request.model_name, _grpc_parameters(request.parameters), request.repository_name)
+        with Call(self._api.metrics, f"v2.{UNLOAD}", context):
+            unload(self._api.repository, request.model_name, fields.parameter_values(request.parameters),
+                   request.repository_name)
             return kserve.M["RepositoryModelUnloadResponse"]()
 
-    # -- REST: /v2/repository/... ----------------------------------------------------------------
-    def route(self, rpc, method: str, parts: list[str], body: bytes) -> None:
-        """`parts`: the path's parts after "v2" ("repository", ...); answered through `rpc`, from a
-        thread of this module's pool."""
-        if method == "POST" and parts == ["repository", "index"]:
-            name = INDEX
 
-            def run(doc: dict):
-                return [entry_json(e) for e in self.index(self._ready(doc))]
-        elif method == "POST" and len(parts) == 4 and parts[:2] == ["repository", "models"] and \
-                parts[3] in ("load", "unload"):
-            model, name = parts[2], LOAD if parts[3] == "load" else UNLOAD
-            change = self.load if name == LOAD else self.unload
-
-            def run(doc: dict):
-                change(model, self._parameters(doc))
-                return {}  # as Triton: 200 and nothing to say
-        else:
-            raise NotFound(f"{method} /v2/{'/'.join(parts)}: no such endpoint")
-
-        def answer() -> None:
-            call = Call(self._metrics, f"v2.{name}", rpc)
-            try:
-                payload = orjson.dumps(run(json_object(body) if body.strip() else {}))
-            except Exception as error:
-                call.answer(error)
-                return
-            call.answer(None, payload)
-
-        self._rest_pool.submit(answer)
-
-    @staticmethod
-    def _ready(doc: dict) -> bool:
-        ready = doc.get("ready", False)
-        if not isinstance(ready, bool):
-            raise ValidationError(f"ready: {quote(ready)} must be true or false")
-        return ready
-
-    @staticmethod
-    def _parameters(doc: dict) -> dict:
-        parameters = doc.get("parameters") or {}
-        if not isinstance(parameters, dict):
-            raise ValidationError("parameters: must be an object")
-        return parameters
-
-
-def add_repository_to_server(repository: ModelRepository, metrics: Metrics | None, server) -> RepositoryApi:
+def add_repository_to_server(api: Api, server) -> None:
     """Registers RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload of
-    `inference.GRPCInferenceService` (serve/transport/rpc.py Registry); returns the API (KServe v2
-    REST and the admin service call it too)."""
-    api = RepositoryApi(repository, metrics)
+    `inference.GRPCInferenceService` (serve/transport/rpc.py Registry)."""
+    servicer = RepositoryServicer(api)
     handlers = {
         method: grpc.unary_unary_rpc_method_handler(
-            getattr(api, method),
+            getattr(servicer, method),
             request_deserializer=kserve.M[f"{method}Request"].FromString,
             response_serializer=kserve.M[f"{method}Response"].SerializeToString,
         )
         for method in (INDEX, LOAD, UNLOAD)
     }
     server.add_registered_method_handlers(kserve.SERVICE, handlers)
-    return api
+
+
+# -- REST: POST /v2/repository/... ------------------------------------------------------------------
+
+_pool: futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _in_pool(api: Api, rpc, name: str, run) -> None:
+    """Answers `run()`'s JSON from this module's threads (module docstring)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = futures.ThreadPoolExecutor(max_workers=REST_THREADS, thread_name_prefix="repository",
+                                               initializer=logs.name_thread, initargs=("repository",))
+
+    def answer() -> None:
+        call = Call(api.metrics, f"v2.{name}", rpc)
+        try:
+            payload = orjson.dumps(run())
+        except Exception as error:
+            call.answer(error)
+            return
+        call.answer(None, payload)
+
+    _pool.submit(answer)
+
+
+def _parameters(body: dict) -> dict:
+    return fields.object_of(body.get("parameters"), "parameters")
+
+
+def index_rest(api: Api, rpc, call: HttpCall) -> None:
+    """Every model of the repository with its state (`ready`: the READY ones)."""
+    def run():
+        return [entry_json(e) for e in index(api.repository, fields.flag(call.body, "ready"))]
+
+    _in_pool(api, rpc, INDEX, run)
+
+
+def load_rest(api: Api, rpc, call: HttpCall) -> None:
+    """Loads the model (reloads it when served)."""
+    def run():
+        load(api.repository, call.params["model"], _parameters(call.body))
+        return {}  # as Triton: 200 and nothing to say
+
+    _in_pool(api, rpc, LOAD, run)
+
+
+def unload_rest(api: Api, rpc, call: HttpCall) -> None:
+    """Unloads the model once its admitted calls are answered."""
+    def run():
+        unload(api.repository, call.params["model"], _parameters(call.body))
+        return {}
+
+    _in_pool(api, rpc, UNLOAD, run)
+
+
+ROUTES = (  # KServe v2 REST's (serve/protocols/kserve_rest.py FAMILY)
+    Route("POST", "/v2/repository/index", index_rest, body="json_optional"),
+    Route("POST", "/v2/repository/models/{model}/load", load_rest, body="json_optional"),
+    Route("POST", "/v2/repository/models/{model}/unload", unload_rest, body="json_optional"),
+)

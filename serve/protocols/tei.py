@@ -21,30 +21,23 @@ and ranker, LangChain's HuggingFaceEndpointEmbeddings):
 
 TEI serves one model; here a body may name its model (`model`), else the default model answers. A
 route that does not fit the model's task is refused (400) naming the task and the routes that fit
-(serve/core/tasks.py). Errors are TEI's body {"error": message, "error_type": ...} with this
+(serve/core/tasks/). Errors are TEI's body {"error": message, "error_type": ...} with this
 server's status for each error kind (serve/protocols/status.py), the same as every protocol's.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
 import orjson
 
-from serve.core import tasks
-from serve.core.engine import Engine
-from serve.core.pooling import check_dimensions, truncate_dimensions
-from serve.core.requests import EncodeRequest
+from serve.core.tasks import classify, embed, encode, rerank, sparse, tokens
+from serve.core.tasks.inputs import Inputs, TextOptions, direction
 from serve.errors import ValidationError, quote
-from serve.protocols.edge import Call
-from serve.protocols.http_tasks import TaskRoutes, field, flag, model_name
-from serve.protocols.openai import inputs_of
+from serve.protocols import fields, infinity
+from serve.protocols.edge import Api, Call, answer_now, start_task
+from serve.protocols.routing import Family, HttpCall, Route
 
 ERROR_TYPES = {400: "Validation", 404: "Validation", 413: "Validation", 422: "Validation", 429: "Overloaded",
                503: "Unhealthy"}
-# TEI's own routes (the transport's route keys), and the paths whose errors take TEI's body
-ROUTE_PATHS = ("/embed", "/embed_all", "/embed_sparse", "/rerank", "/predict", "/tokenize", "/decode", "/info", "/")
 _JSON = orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -53,16 +46,17 @@ def error_body(status: int, message: str) -> bytes:
     return orjson.dumps({"error": message, "error_type": ERROR_TYPES.get(status, "Backend")})
 
 
-def _inputs(body: dict) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+def _inputs(body: dict) -> Inputs:
+    """`inputs` (texts or token ids) with the text fields every embedding route takes."""
     if "inputs" not in body:
         raise ValidationError("inputs: missing; send a string, a list of strings or token-id lists")
-    return inputs_of(body["inputs"], "inputs")
+    texts, sequences = fields.inputs(body["inputs"], "inputs")
+    return Inputs(texts, sequences, text=_text_options(body))
 
 
-def _text_options(body: dict, engine: Engine) -> dict:
-    """The text fields every embedding route takes, as the core's request fields."""
-    return dict(truncate=flag(body, "truncate"), prompt_name=field(body, "prompt_name", (str,), None, "a string"),
-                truncation_direction=tasks.truncation_direction(body.get("truncation_direction")))
+def _text_options(body: dict, prompts: bool = True) -> TextOptions:
+    return TextOptions(truncate=fields.flag(body, "truncate"), direction=direction(body.get("truncation_direction")),
+                       prompt_name=fields.string(body, "prompt_name") if prompts else None)
 
 
 def _predict_inputs(value) -> tuple[bool, tuple[str, ...], tuple[tuple[str, str], ...]]:
@@ -73,7 +67,7 @@ def _predict_inputs(value) -> tuple[bool, tuple[str, ...], tuple[tuple[str, str]
             raise ValidationError(f"{where}: expected [text] or [text, text_pair], got {quote(item)}")
         return item
     if isinstance(value, str):
-        return True, tasks.texts_of(value, "inputs"), ()
+        return True, fields.texts(value, "inputs"), ()
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         items, single = [sequence(value, "inputs")], True
     elif isinstance(value, list) and value:
@@ -83,177 +77,10 @@ def _predict_inputs(value) -> tuple[bool, tuple[str, ...], tuple[tuple[str, str]
                               f"{quote(value) if not isinstance(value, list) else 'an empty list'}")
     kinds = {len(item) for item in items}
     if kinds == {1}:
-        return single, tasks.texts_of([item[0] for item in items], "inputs"), ()
+        return single, fields.texts([item[0] for item in items], "inputs"), ()
     if kinds == {2}:
         return single, (), tuple((a, b) for a, b in items)
     raise ValidationError("inputs: a batch holds single texts or text pairs, not both; send them in two requests")
-
-
-class TEIService(TaskRoutes):
-    def __init__(self, engine: Callable[..., Engine], metrics, lookup: Callable[[str], Engine], rerank_api) -> None:
-        super().__init__(engine, metrics)
-        self._lookup = lookup  # name -> the engine serving it, without admitting (the root's dispatch)
-        self._rerank_api = rerank_api  # infinity's /rerank shares the path
-
-    def routes(self) -> dict:
-        return {"POST /embed": self.embed, "POST /embed_all": self.embed_all, "POST /embed_sparse": self.embed_sparse,
-                "POST /rerank": self.rerank, "POST /predict": self.predict, "POST /tokenize": self.tokenize,
-                "POST /decode": self.decode, "GET /info": self.info, "POST /": self.root}
-
-    def embed(self, rpc, body: dict, route: str | None = None) -> None:
-        asked = {}
-
-        def build(engine: Engine) -> EncodeRequest:
-            texts, sequences = _inputs(body)
-            asked["dimensions"] = field(body, "dimensions", (int,), None, "a positive integer")
-            check_dimensions(asked["dimensions"], engine.embedding_width)
-            asked["normalize"] = flag(body, "normalize", True)
-            return EncodeRequest(sequences=sequences, texts=texts, pooling=engine.pooling("", embedding=True),
-                                 normalize=asked["normalize"], **_text_options(body, engine))
-
-        def render(engine: Engine, result) -> bytes:
-            vectors = truncate_dimensions(result.embeddings, asked["dimensions"], asked["normalize"])
-            return orjson.dumps(vectors, option=_JSON)
-
-        self.start(rpc, body, "tei.Embed", build, render, route)
-
-    def embed_all(self, rpc, body: dict) -> None:
-        def build(engine: Engine) -> EncodeRequest:
-            texts, sequences = _inputs(body)
-            return EncodeRequest(sequences=sequences, texts=texts, hidden_states=True, pooling="none",
-                                 **_text_options(body, engine))
-
-        self.start(rpc, body, "tei.EmbedAll", build,
-                   lambda engine, result: orjson.dumps([out.hidden_states for out in result.outputs], option=_JSON))
-
-    def embed_sparse(self, rpc, body: dict, route: str | None = None) -> None:
-        def build(engine: Engine) -> EncodeRequest:
-            texts, sequences = _inputs(body)
-            return EncodeRequest(sequences=sequences, texts=texts, **_text_options(body, engine))
-
-        def render(engine: Engine, result) -> bytes:
-            return orjson.dumps([[{"index": i, "value": v} for i, v in zip(index.tolist(), values.tolist())]
-                                 for index, values in tasks.sparse_rows(result.scores)])
-
-        self.start(rpc, body, "tei.EmbedSparse", build, render, route)
-
-    def rerank(self, rpc, body: dict, route: str | None = None) -> None:
-        if "documents" in body and "texts" not in body:  # infinity's /rerank, on the same path
-            self._rerank_api.infinity_rerank(rpc, body, route)
-            return
-        asked = {}
-
-        def build(engine: Engine) -> EncodeRequest:
-            query = tasks.query(body.get("query"))
-            asked["texts"] = tasks.documents(body.get("texts"), "texts")
-            engine.limits.check_count(len(asked["texts"]), "texts")
-            return EncodeRequest(sequences=(), pairs=tuple((query, t) for t in asked["texts"]),
-                                 pair_fields=("query", "texts[{i}]"), **_pair_options(body))
-
-        def render(engine: Engine, result) -> bytes:
-            scores = engine.scores(result, flag(body, "raw_scores"))[:, 0]
-            text = flag(body, "return_text")
-            return orjson.dumps([{"index": i, "score": float(scores[i]), **({"text": asked["texts"][i]} if text else {})}
-                                 for i in tasks.ranking(scores).tolist()])
-
-        self.start(rpc, body, "tei.Rerank", build, render, route)
-
-    def predict(self, rpc, body: dict, route: str | None = None) -> None:
-        asked = {}
-
-        def build(engine: Engine) -> EncodeRequest:
-            if "inputs" not in body:
-                raise ValidationError("inputs: missing; send a text, a pair [text, text_pair] or a batch of them")
-            asked["single"], texts, pairs = _predict_inputs(body["inputs"])
-            asked["hub"] = _hub_parameters(body)
-            if pairs:
-                return EncodeRequest(sequences=(), pairs=pairs, pair_fields=("inputs[{i}][0]", "inputs[{i}][1]"),
-                                     **_pair_options(body))
-            return EncodeRequest(sequences=(), texts=texts, **_text_options(body, engine))
-
-        def render(engine: Engine, result) -> bytes:
-            top_k, function = asked["hub"] or (None, None)
-            scores = engine.scores(result, flag(body, "raw_scores"), function)
-            ranked = [[{"score": score, "label": label} for label, score in row][:top_k]
-                      for row in tasks.predictions(scores, engine.labels)]
-            # TEI answers one input with one list; the Inference API's shape is always a batch
-            return orjson.dumps(ranked[0] if asked["single"] and asked["hub"] is None else ranked)
-
-        self.start(rpc, body, "tei.Predict", build, render, route)
-
-    def tokenize(self, rpc, body: dict) -> None:
-        call = Call(self._metrics, "tei.Tokenize", rpc)
-        try:
-            engine = self._engine(rpc, model=model_name(body))
-            texts = tasks.texts_of(body.get("inputs"), "inputs")
-            engine.limits.check_count(len(texts), "inputs")
-            tokens = engine.tokenize(texts, flag(body, "add_special_tokens", True),
-                                     field(body, "prompt_name", (str,), None, "a string"))
-            payload = orjson.dumps(tokens)
-        except Exception as error:
-            call.answer(error)
-            return
-        call.answer(None, payload)
-
-    def decode(self, rpc, body: dict) -> None:
-        call = Call(self._metrics, "tei.Decode", rpc)
-        try:
-            engine = self._engine(rpc, model=model_name(body))
-            ids = body.get("ids")
-            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                ids = [ids]
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
-                    for row in ids):
-                raise ValidationError(f"ids: expected a list of token ids or a list of token-id lists, got {quote(ids)}")
-            engine.limits.check_count(len(ids), "ids")
-            payload = orjson.dumps(engine.decode(ids, flag(body, "skip_special_tokens", True)))
-        except Exception as error:
-            call.answer(error)
-            return
-        call.answer(None, payload)
-
-    def info(self, rpc, body) -> None:
-        call = Call(self._metrics, "tei.Info", rpc)
-        try:
-            engine = self._lookup(model_name(body) if isinstance(body, dict) else "")
-            d = engine.describe()
-            if d.task in ("rerank", "classify"):
-                labels = {str(i): label for i, label in enumerate(engine.labels)}
-                kind = {"reranker" if d.task == "rerank" else "classifier":
-                        {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
-            else:
-                pooling = "splade" if d.task == "sparse" else \
-                    {"first": "cls", "last": "last_token"}.get(d.default_pooling, d.default_pooling)
-                kind = {"embedding": {"pooling": pooling}}
-            payload = orjson.dumps({
-                "model_id": d.name, "model_sha": d.sha256, "model_dtype": "float32", "served_model_name": d.name,
-                "model_type": kind, "max_concurrent_requests": engine.server.max_queue_size,
-                "max_input_length": d.limits["max_text_tokens"] or d.limits["max_sequence_length"],
-                "max_batch_tokens": d.limits["max_batch_tokens"], "max_batch_requests": d.limits["max_batch_size"],
-                "max_client_batch_size": d.limits["max_sequences_per_request"], "auto_truncate": False,
-                "tokenization_workers": 1, "version": d.version, "sha": None, "docker_label": None,
-                "prompts": d.prompts, "default_prompt_name": d.default_prompt_name or None})
-        except Exception as error:
-            call.answer(error)
-            return
-        call.answer(None, payload)
-
-    def root(self, rpc, body: dict) -> None:
-        """POST /: what the model's task answers, as TEI dispatches it."""
-        try:
-            task = self._lookup(model_name(body)).task
-        except Exception as error:
-            Call(self._metrics, "tei.Root", rpc).answer(error)
-            return
-        if task == "sparse":
-            self.embed_sparse(rpc, body, "POST /embed_sparse")
-        elif task == "rerank" and "query" in body:
-            self.rerank(rpc, body, "POST /rerank")
-        elif task in ("rerank", "classify"):
-            self.predict(rpc, body, "POST /predict")
-        else:
-            self.embed(rpc, body, "POST /embed")
 
 
 def _hub_parameters(body: dict) -> tuple[int | None, str | None] | None:
@@ -264,17 +91,175 @@ def _hub_parameters(body: dict) -> tuple[int | None, str | None] | None:
         return None
     if not isinstance(parameters, dict):
         raise ValidationError(f"parameters: expected an object, got {quote(parameters)}")
-    top_k = field(parameters, "top_k", (int,), None, "a positive integer")
+    top_k = fields.integer(parameters, "top_k", None, "a positive integer", field="parameters.top_k")
     if top_k is not None and top_k < 1:
         raise ValidationError(f"parameters.top_k: expected a positive integer, got {top_k}")
-    function = field(parameters, "function_to_apply", (str,), None, "a string")
-    if function is not None and function not in tasks.ACTIVATIONS:
+    function = fields.string(parameters, "function_to_apply", field="parameters.function_to_apply")
+    if function is not None and function not in classify.ACTIVATIONS:
         raise ValidationError(f"parameters.function_to_apply: {quote(function)} is not one of "
-                              f"{', '.join(tasks.ACTIVATIONS)}")
+                              f"{', '.join(classify.ACTIVATIONS)}")
     return top_k, function
 
 
-def _pair_options(body: dict) -> dict:
-    """A pair request's truncation (only the second text is cut)."""
-    return dict(truncate=flag(body, "truncate"),
-                truncation_direction=tasks.truncation_direction(body.get("truncation_direction")))
+def embed_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
+    """Pooled embeddings of texts or token ids."""
+    body = call.body
+
+    def submit(engine):
+        task = embed.EmbedTask(_inputs(body), normalize=fields.flag(body, "normalize", True),
+                               dimensions=fields.integer(body, "dimensions", None, "a positive integer"))
+        return embed.submit(engine, task, rpc.deadline)
+
+    start_task(api, "tei.Embed", rpc, call.model, "embed", call.verbs, submit,
+               lambda engine, result, _: orjson.dumps(result.embeddings, option=_JSON), route)
+
+
+def embed_all(api: Api, rpc, call: HttpCall) -> None:
+    """Per-token hidden states of texts or token ids."""
+    def submit(engine):
+        task = encode.EncodeTask(_inputs(call.body), hidden_states=True, pooling="none")
+        return encode.submit(engine, task, rpc.deadline)
+
+    start_task(api, "tei.EmbedAll", rpc, call.model, "encode", call.verbs, submit,
+               lambda engine, result, _: orjson.dumps([out.hidden_states for out in result.outputs], option=_JSON))
+
+
+def embed_sparse(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
+    """SPLADE weights: each input's non-zero entries."""
+    def submit(engine):
+        return sparse.submit(engine, sparse.SparseTask(_inputs(call.body)), rpc.deadline)
+
+    def render(engine, result, _) -> bytes:
+        return orjson.dumps([[{"index": i, "value": v} for i, v in zip(index.tolist(), values.tolist())]
+                             for index, values in result.rows])
+
+    start_task(api, "tei.EmbedSparse", rpc, call.model, "sparse", call.verbs, submit, render, route)
+
+
+def rerank_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
+    """A query against texts, highest score first (a body with `documents` is infinity's /rerank)."""
+    body = call.body
+    if "documents" in body and "texts" not in body:  # infinity's /rerank, on the same path
+        infinity.rerank_(api, rpc, call, route)
+        return
+    asked = {}
+
+    def submit(engine):
+        asked["texts"] = fields.documents(body.get("texts"), "texts")
+        task = rerank.RerankTask(fields.query(body.get("query")), asked["texts"],
+                                 _text_options(body, prompts=False), raw_scores=fields.flag(body, "raw_scores"),
+                                 documents_field="texts")
+        return rerank.submit(engine, task, rpc.deadline)
+
+    def render(engine, result, _) -> bytes:
+        text = fields.flag(body, "return_text")
+        return orjson.dumps([{"index": i, "score": float(result.scores[i]),
+                              **({"text": asked["texts"][i]} if text else {})} for i in result.order.tolist()])
+
+    start_task(api, "tei.Rerank", rpc, call.model, "rerank", call.verbs, submit, render, route)
+
+
+def predict(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
+    """Each label's score of a text, a pair, or a batch of them."""
+    body = call.body
+    asked = {}
+
+    def submit(engine):
+        if "inputs" not in body:
+            raise ValidationError("inputs: missing; send a text, a pair [text, text_pair] or a batch of them")
+        asked["single"], texts, pairs = _predict_inputs(body["inputs"])
+        asked["hub"] = _hub_parameters(body)
+        task = classify.ClassifyTask(texts, pairs, _text_options(body, prompts=not pairs),
+                                     raw_scores=fields.flag(body, "raw_scores"),
+                                     activation=(asked["hub"] or (None, None))[1],
+                                     pair_fields=("inputs[{i}][0]", "inputs[{i}][1]"))
+        return classify.submit(engine, task, rpc.deadline)
+
+    def render(engine, result, _) -> bytes:
+        top_k = (asked["hub"] or (None, None))[0]
+        ranked = [[{"score": score, "label": label} for label, score in row][:top_k] for row in result.ranked]
+        # TEI answers one input with one list; the Inference API's shape is always a batch
+        return orjson.dumps(ranked[0] if asked["single"] and asked["hub"] is None else ranked)
+
+    start_task(api, "tei.Predict", rpc, call.model, "classify", call.verbs, submit, render, route)
+
+
+def tokenize(api: Api, rpc, call: HttpCall) -> None:
+    """Each text's tokens (id, text, special, start, stop)."""
+    body = call.body
+
+    def work() -> bytes:
+        engine = api.admit(rpc, model=call.model)
+        task = tokens.TokenizeTask(fields.texts(body.get("inputs"), "inputs"),
+                                   fields.flag(body, "add_special_tokens", True), fields.string(body, "prompt_name"),
+                                   field="inputs")
+        return orjson.dumps(tokens.tokenize(engine, task))
+
+    answer_now(api, "tei.Tokenize", rpc, work)
+
+
+def decode(api: Api, rpc, call: HttpCall) -> None:
+    """Token ids back to text."""
+    body = call.body
+
+    def work() -> bytes:
+        engine = api.admit(rpc, model=call.model)
+        task = tokens.DecodeTask(fields.token_ids(body.get("ids"), "ids"), fields.flag(body, "skip_special_tokens", True))
+        return orjson.dumps(tokens.decode(engine, task))
+
+    answer_now(api, "tei.Decode", rpc, work)
+
+
+def info(api: Api, rpc, call: HttpCall) -> None:
+    """The model's id, type, labels or pooling, and the server's limits."""
+    def work() -> bytes:
+        engine = api.engine(call.model)
+        d = engine.describe()
+        if d.task in ("rerank", "classify"):
+            labels = {str(i): label for i, label in enumerate(engine.labels)}
+            kind = {"reranker" if d.task == "rerank" else "classifier":
+                    {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
+        else:
+            pooling = "splade" if d.task == "sparse" else \
+                {"first": "cls", "last": "last_token"}.get(d.default_pooling, d.default_pooling)
+            kind = {"embedding": {"pooling": pooling}}
+        return orjson.dumps({
+            "model_id": d.name, "model_sha": d.sha256, "model_dtype": "float32", "served_model_name": d.name,
+            "model_type": kind, "max_concurrent_requests": engine.server.max_queue_size,
+            "max_input_length": d.limits["max_text_tokens"] or d.limits["max_sequence_length"],
+            "max_batch_tokens": d.limits["max_batch_tokens"], "max_batch_requests": d.limits["max_batch_size"],
+            "max_client_batch_size": d.limits["max_sequences_per_request"], "auto_truncate": False,
+            "tokenization_workers": 1, "version": d.version, "sha": None, "docker_label": None,
+            "prompts": d.prompts, "default_prompt_name": d.default_prompt_name or None})
+
+    answer_now(api, "tei.Info", rpc, work)
+
+
+def root(api: Api, rpc, call: HttpCall) -> None:
+    """What the model's task answers, as TEI dispatches it: embed, embed_sparse, rerank (with a query) or predict."""
+    try:
+        task = api.engine(call.model).task
+    except Exception as error:
+        Call(api.metrics, "tei.Root", rpc).answer(error)
+        return
+    if task == "sparse":
+        embed_sparse(api, rpc, call, "POST /embed_sparse")
+    elif task == "rerank" and "query" in call.body:
+        rerank_(api, rpc, call, "POST /rerank")
+    elif task in ("rerank", "classify"):
+        predict(api, rpc, call, "POST /predict")
+    else:
+        embed_(api, rpc, call, "POST /embed")
+
+
+FAMILY = Family("tei", error_body, (
+    Route("POST", "/embed", embed_, "embed"),
+    Route("POST", "/embed_all", embed_all, "encode"),
+    Route("POST", "/embed_sparse", embed_sparse, "sparse"),
+    Route("POST", "/rerank", rerank_, "rerank"),
+    Route("POST", "/predict", predict, "classify"),
+    Route("POST", "/tokenize", tokenize, "tokenize"),
+    Route("POST", "/decode", decode, "tokenize"),
+    Route("GET", "/info", info, body="none"),
+    Route("POST", "/", root),
+))

@@ -26,7 +26,6 @@ than http_body_timeout_s is answered 408 and the connection closed. The connecti
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import resource
@@ -41,16 +40,12 @@ import grpc
 from serve import logs
 from serve.errors import ServeError, ValidationError, clip
 from serve.protocols.status import RETRY_AFTER_S, http_status, to_status
-from serve.protocols.edge import json_object
 from serve.transport import security
 from serve.transport.http_connections import protocol_class
 from serve.transport.rpc import Rpc
 
 log = logging.getLogger("serve.transport.http")
 
-Route = Callable[[Rpc, object], None]  # (rpc, the JSON body or None); answers through rpc
-
-MODEL_PREFIX = "/models/"  # /models/<name>/<route>: a route on model <name> (`_model_path`)
 DEADLINE_HEADER = "x-request-timeout"  # seconds (a decimal number > 0): the request's deadline
 DISCARD_S = 30.0  # an early refusal reads and drops the rest of the body for at most this long
 # uvicorn's fast paths, kept for what they measured here (docs/serving.md "HTTP connections")
@@ -65,8 +60,14 @@ class HttpRpc(Rpc):
         self._loop = loop
         self.future = loop.create_future()
         # payload -> (body, extra headers, content type): a route whose adapter answers in another form
-        # (KServe v2 REST: the gRPC adapter's protobuf answer, rendered as REST)
+        # (KServe v2 REST: its JSON or binary body with its headers)
         self.render: Callable[[bytes], tuple[bytes, list, bytes]] | None = None
+        self.status: int | None = None  # an answer's HTTP status other than 200 (a health route's 503)
+
+    def reply_http(self, status: int, payload: bytes) -> None:
+        """Answers `payload` with HTTP status `status` (a probe's 503 carries its body, not an error's)."""
+        self.status = status
+        self.reply(payload)
 
     def _send(self, payload: bytes) -> None:
         raise NotImplementedError("HTTP answers once")
@@ -82,19 +83,15 @@ class HttpRpc(Rpc):
 class HttpTransport:
     name = "http"
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool], *,
-                 auth_token: str, max_body_bytes: int, tls_files: tuple[str, str, str] | None,
-                 v2=None, error_bodies: tuple = (), path_error_bodies: dict | None = None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
+    def __init__(self, host: str, port: int, router, *, auth_token: str, max_body_bytes: int,
+                 tls_files: tuple[str, str, str] | None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
                  body_timeout_s: float = 60.0, max_connections: int = 1024) -> None:
         import uvicorn
 
-        self._routes, self._ready, self._max = routes, ready, max_body_bytes
+        # the protocols' router (serve/protocols/routing.py HttpRoutes, over the one route table): which route
+        # a method and path are, the error body of the family a path belongs to; this transport knows no path
+        self._router, self._max = router, max_body_bytes
         self._body_timeout = body_timeout_s
-        self._v2 = v2  # KServe v2 REST (serve/protocols/kserve_rest.py): every /v2/... path but health
-        # (path prefix, (status, message) -> body): each protocol's error body, the first prefix that
-        # matches (the protocols own their shapes; this transport only picks by path)
-        self._error_bodies = tuple(error_bodies) or (("", lambda status, message: message.encode()),)
-        self._path_error_bodies = dict(path_error_bodies or {})  # exact path -> its protocol's error body
         self._token = security.TokenCheck(auth_token) if auth_token else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets made so (http_connections sets it too)
@@ -113,7 +110,7 @@ class HttpTransport:
             options = {"ssl_certfile": cert, "ssl_keyfile": key}
             if ca:
                 options.update(ssl_ca_certs=ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        over_cap = self._error_bodies[-1][1](503, f"too many open connections (http_max_connections="
+        over_cap = router.fallback_error_body(503, f"too many open connections (http_max_connections="
                                                    f"{max_connections}); retry")
         protocol = protocol_class(_parser(), header_timeout_s=header_timeout_s, max_connections=max_connections,
                                   refusal_body=over_cap)
@@ -138,29 +135,19 @@ class HttpTransport:
     async def app(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        path, model = _model_path(scope["path"])
-        method = f"{scope['method']} {path}"
+        method = f"{scope['method']} {scope['path']}"
         headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
         request = _Request(scope, receive, headers)
-        error_body = self._error_body(path)
-        if scope["path"] in ("/v2/health/live", "/v2/health/ready", "/health"):  # open, as gRPC health
-            ready = self._ready() if scope["path"] != "/v2/health/live" else True
-            await request.reply(send, 200 if ready else 503, json.dumps({"live": True, "ready": ready}).encode())
-            return
-        v2 = self._v2 is not None and method not in self._routes and (  # a route of its own wins (Cohere's /v2/rerank)
-            scope["path"] == "/v2" or scope["path"].startswith("/v2/"))
-        if self._token is not None:
+        match = self._router.match(scope["method"], scope["path"])
+        error_body = match.error_body
+        if self._token is not None and not match.open:
             refusal = self._token.refusal(method, headers)
             if refusal is not None:
                 await request.refuse(send, 401, error_body(401, security.DENIED["http"]),
                                      [(b"www-authenticate", security.WWW_AUTHENTICATE[refusal].encode())])
                 return
-        route = self._routes.get(method)
-        if route is None and not v2:
-            known = any(name.split(" ", 1)[1] == path for name in self._routes)
-            status = 405 if known else 404
-            await request.refuse(send, status, error_body(status, f"{method}: no such endpoint"
-                                                          if not known else f"{method}: method not allowed"))
+        if match.route is None:
+            await request.refuse(send, match.status, error_body(match.status, match.message))
             return
         try:
             remaining = _timeout(request.header(DEADLINE_HEADER))
@@ -168,25 +155,14 @@ class HttpTransport:
             await request.refuse(send, 400, error_body(400, error.message))
             return
         rpc = HttpRpc(asyncio.get_running_loop(), method, headers, remaining)
-        body = None
-        if scope["method"] == "POST":
+        body = b""
+        if match.reads_body:
             body = await self._read(request, send, error_body)
             if body is None:
                 return
-            if not v2:
-                try:
-                    body = _with_model(json_object(body), model)
-                except ServeError as error:
-                    await request.reply(send, 400, error_body(400, error.message))
-                    return
-        elif model is not None:
-            body = {"model": model}
         try:
-            if v2:
-                self._v2.route(rpc, scope["method"], scope["path"], body or b"", headers)
-            else:
-                route(rpc, body)
-        except ServeError as error:  # refused before it reached an adapter's edge (KServe REST's parsing)
+            self._router.call(match, rpc, body, headers)
+        except ServeError as error:  # refused before it reached an adapter's edge (a body that is no JSON object)
             rpc.fail(*to_status(error))
         except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
             logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
@@ -205,7 +181,7 @@ class HttpTransport:
                     await request.reply(send, 500, error_body(500, "internal error: the answer could not be "
                                                                    "rendered"))
                     return
-            await request.reply(send, 200, payload, extra, content_type)
+            await request.reply(send, rpc.status or 200, payload, extra, content_type)
         else:
             retry = [(b"retry-after", str(RETRY_AFTER_S).encode())] if status in (429, 503) else []
             await request.reply(send, status, error_body(status, message), retry)
@@ -229,12 +205,6 @@ class HttpTransport:
             return rpc.future.done()
         finally:
             left.cancel()
-
-    def _error_body(self, path: str) -> Callable[[int, str], bytes]:
-        """The error body of the protocol `path` belongs to (its own, else the first matching prefix)."""
-        if path in self._path_error_bodies:
-            return self._path_error_bodies[path]
-        return next(body for prefix, body in self._error_bodies if path.startswith(prefix))
 
     async def _read(self, request: "_Request", send, error_body) -> bytes | None:
         """The request body, or None after answering it (413: declared or grown past the limit; 408:
@@ -310,27 +280,6 @@ class _Request:
                     "headers": [(b"content-type", content_type),
                                 (b"content-length", str(len(body)).encode()), *(extra or [])]})
         await send({"type": "http.response.body", "body": body})
-
-
-def _model_path(path: str) -> tuple[str, str | None]:
-    """(the route's path, the model it names): /models/<name>/<route> is <route> on model <name>, so
-    clients that send no model name (TEI's, which serve one model) reach any model through their base
-    URL (http://host:8000/models/<name>); /models/<name> alone is the root route. Others: (path, None)."""
-    if not path.startswith(MODEL_PREFIX):
-        return path, None
-    name, _, rest = path[len(MODEL_PREFIX):].partition("/")
-    return (f"/{rest}", name) if name else (path, None)
-
-
-def _with_model(body: dict, model: str | None) -> dict:
-    """The body with the model its path names (a body naming another is refused)."""
-    if model is None:
-        return body
-    named = body.get("model")
-    if named not in (None, "", model):
-        raise ValidationError(f"model: the body names {clip(str(named))!r}, the path /models/{clip(model)}/; "
-                              "name one model")
-    return {**body, "model": model}
 
 
 async def _disconnect(receive) -> None:

@@ -1,0 +1,76 @@
+"""The encode verb: rows through the model, answered as per-token hidden states, pooled embeddings or the
+model's head output, under the mask each call chooses. encoder.v1's Encode and EncodeStream, KServe v2's
+ModelInfer (gRPC and REST) and TEI's /embed_all run it; the embed verb (embed.py) is its pooled-only form.
+
+What a request leaves unset is the model's (declared here, once): pooling "" is the export's default
+pooling, normalize None the export's default normalisation, mask kind None the model's natural mask
+(resolved by the core, serve/core/requests.py to_rows). A model with a head (its task is not embed) answers
+its head's raw output (`scores`) and, when asked, its hidden states; never a pooled embedding.
+`dimensions` (Matryoshka) keeps the first N values of each embedding, re-normalised when the request
+normalises (sentence-transformers' truncate_dim before normalize_embeddings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
+from serve.core.requests import EncodeResult, MaskChoice, Work
+from serve.core.tasks import DESCRIBED, Pending
+from serve.core.tasks.inputs import Inputs, text_rows
+from serve.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeTask:
+    inputs: Inputs
+    mask: MaskChoice = MaskChoice()
+    hidden_states: bool = False
+    pooling: str = ""  # "": the model's default; "none": no embedding (serve/core/pooling.py pooling_name)
+    normalize: bool | None = None  # None: the model's default
+    dimensions: int | None = None  # Matryoshka: the first N values of each embedding; None: all
+    chunk: bool = False  # texts: a long text as overlapping windows, pooled back into one mean embedding
+    request_id: str = ""
+
+
+def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding: bool = False) -> Pending:
+    """Checks `task` against the model, admits its rows; the Pending's result is an EncodeResult (its embeddings
+    cut to `dimensions`, a chunked text's windows pooled back). `embedding`: the caller needs a pooled
+    embedding (the embed verb): a "none" default pooling means mean."""
+    if engine.task != "embed":
+        if task.pooling in ("mean", *FROM_HIDDEN) or embedding:
+            raise ValidationError(
+                f"pooling: model {engine.name!r} is {DESCRIBED[engine.task]}; it answers its head's output "
+                f"(scores), not pooled embeddings: ask for pooling none (or leave it unset)")
+        if task.dimensions is not None:
+            raise ValidationError(f"dimensions: model {engine.name!r} is {DESCRIBED[engine.task]}; it answers its "
+                                  f"head's output (scores), which has no dimensions to cut")
+        outputs = dict(pooling="none", normalize=False, scores=True)
+    else:
+        pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
+        if pooling == "none" and task.dimensions is not None:
+            raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
+        check_dimensions(task.dimensions, engine.embedding_width)
+        normalize = engine.export.default_normalize if task.normalize is None else task.normalize
+        outputs = dict(pooling=pooling, normalize=normalize)
+    inputs = task.inputs
+    if inputs.texts:
+        rows = text_rows(engine, inputs, chunk=task.chunk,
+                         one_mean=not task.hidden_states and outputs["pooling"] == "mean")
+        work = Work(rows.sequences, task.mask, task.hidden_states, request_id=task.request_id,
+                    truncated=rows.truncated, chunks=rows.chunks, **outputs)
+    else:
+        work = Work(inputs.sequences, task.mask, task.hidden_states, request_id=task.request_id,
+                    lengths=inputs.lengths, **outputs)
+    return Pending(engine.submit(work, deadline), lambda result: finish(result, work, task.dimensions))
+
+
+def finish(result: EncodeResult, work: Work, dimensions: int | None) -> EncodeResult:
+    """The core's result as the verb answers it: chunked texts pooled per text, embeddings cut to `dimensions`."""
+    if work.chunks:
+        result = pool_chunks(result, work)
+    if dimensions is not None and result.embeddings is not None:
+        result = dataclasses.replace(
+            result, embeddings=truncate_dimensions(result.embeddings, dimensions, work.normalize))
+    return result

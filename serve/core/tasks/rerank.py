@@ -1,0 +1,70 @@
+"""The rerank verb: one query against documents, each pair scored by a cross-encoder (TEI's /rerank,
+Cohere's and Jina's /v1/rerank and /v2/rerank, infinity's /rerank, encoder.v1 Rerank). Each pair is one row
+(the query first); with `truncate` only the document is ever cut, and a query too long to pair with any
+document is refused naming it. Scores are the head's one logit through the export's activation (or raw);
+the ranking is highest score first, equal scores in document order, the first `top_n`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from serve.core.requests import EncodeResult, Work
+from serve.core.tasks import Pending
+from serve.core.tasks.classify import activate, activation_of
+from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, tokenizer
+from serve.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class RerankTask:
+    query: str
+    documents: tuple[str, ...]
+    text: TextOptions = TextOptions()  # truncate: cut a document to fit (never the query)
+    top_n: int | None = None  # the first N of the ranking; None: every document
+    raw_scores: bool = False  # the logits, not the scores
+    max_tokens_per_doc: int | None = None  # each document cut to at most this many tokens first (Cohere v2)
+    request_id: str = ""
+    documents_field: str = "documents"  # how errors name the documents (TEI's: texts)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    scores: np.ndarray  # float32 [n]: each document's, in document order
+    order: np.ndarray  # document indices, highest score first, the first top_n
+    run: EncodeResult
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+
+def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
+    if not task.query:
+        raise ValidationError("query: empty text; send at least one character")
+    field = task.documents_field
+    documents = non_empty(task.documents, field, "document")
+    if task.top_n is not None and task.top_n < 1:
+        raise ValidationError(f"top_n: expected an integer >= 1, got {task.top_n}")
+    if task.max_tokens_per_doc is not None:
+        if task.max_tokens_per_doc < 1:
+            raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
+        text = tokenizer(engine, field)
+        documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
+    rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
+                     count_field=field)
+    work = Work(rows.sequences, scores=True, request_id=task.request_id, types=rows.types, truncated=rows.truncated)
+    activation = activation_of(engine)
+
+    def finish(result: EncodeResult) -> Ranking:
+        scores = activate(result.scores, activation, task.raw_scores)[:, 0]
+        return Ranking(scores, ranking(scores, task.top_n), result)
+
+    return Pending(engine.submit(work, deadline), finish)
+
+
+def ranking(scores: np.ndarray, top_n: int | None = None) -> np.ndarray:
+    """Document indices by score, highest first (equal scores in document order), the first `top_n`."""
+    order = np.argsort(-np.asarray(scores, np.float64), kind="stable")
+    return order[:top_n] if top_n else order
