@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import verdicts
+from bench.model_and_server_report import verdicts
 
 LENGTHS = (1024, 4096, 16384, 32768)
 QUICK_LENGTHS = (256, 1024)
@@ -84,7 +84,7 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
              lengths: tuple = (), engines: tuple = (), say=print) -> dict:
     """Exports (or reuses) the three models with their long graphs, measures every case, returns the report.
     `lengths` and `engines` (default: all) narrow a run to fit a time budget (a lent GPU's, say)."""
-    from bench.run import BenchOptions, ensure_export, machine_info, physical_cores
+    from bench.model_and_server import BenchOptions, ensure_export, machine_info, physical_cores
     from model.attention_paths import DENSE, cheapest, RowMask
     from model.config import to_dict
     from model.export_format import read_metadata
@@ -149,8 +149,8 @@ def _measure(label: str, engine: str, length: int, path: str, job: dict) -> Meas
     from serve.__main__ import HUGE_PAGES  # measured as the server runs: malloc on huge pages
 
     env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))}
-    proc = subprocess.run([sys.executable, "-m", "bench.long_bench", json.dumps(job)], capture_output=True,
-                          text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-m", "bench.long_input_attention", json.dumps(job)],
+                          capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1][:160]
         return Measurement(label, engine, length, path, None, None, f"failed: {tail}")

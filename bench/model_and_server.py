@@ -1,5 +1,5 @@
 """One benchmark run: export (or reuse) the graphs, time the model, time the server, write JSON.
-`python -m bench` calls `run_bench`; judging the targets and the table are bench/report.py's.
+`python -m bench` calls `run_bench`; judging the targets and the table are bench/model_and_server_report.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from bench import model_bench as mb
 from bench import server_bench as sb
-from bench.report import format_table, judge, row_text
+from bench.model_and_server_report import format_table, judge, row_text
 from model.config import EncoderConfig
 from model.export_format import ExportError, read_metadata
 

@@ -1,4 +1,4 @@
-"""`python -m bench.long_wire EXPORT_DIR`: the long-input cost over the wire, as a client sees it.
+"""`python -m bench.long_input_grpc EXPORT_DIR`: the long-input cost over the wire, as a client sees it.
 
 Starts `python -m serve` on the export (127.0.0.1, port 0; extra server flags after `--`), sends one
 sliding-window row per request (window 128 by default, embeddings only) at each length, after one
@@ -22,7 +22,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.long_wire", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.long_input_grpc", description=__doc__.split("\n")[0])
     parser.add_argument("export_dir", type=Path)
     parser.add_argument("--lengths", default="4096,16384,32768")
     parser.add_argument("--window", type=int, default=128)

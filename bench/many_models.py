@@ -1,4 +1,4 @@
-"""Many models on one host (issue 27): `python -m bench.models_bench [--rounds 3] [--seconds 8] [--quick]`.
+"""Many models on one host (issue 27): `python -m bench.many_models [--rounds 3] [--seconds 8] [--quick]`.
 
 Two models, each with its own load, served two ways:
   two_processes  one `python -m serve --export-dir E` per export (default flags otherwise): what users do today
@@ -458,7 +458,7 @@ def _commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.models_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.many_models", description=__doc__.split("\n")[0])
     parser.add_argument("--export-dir", action="append", default=None,
                         help="an export to serve (twice); default: exports/default and exports/all-minilm-l6-v2")
     parser.add_argument("--rounds", type=int, default=3)

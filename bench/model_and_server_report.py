@@ -1,5 +1,5 @@
 """Judging a benchmark run against the issue's targets, and the table printed for it. Works on the
-report dict bench/run.py writes (bench-results/bench.json), so a saved report can be re-read.
+report dict bench/model_and_server.py writes (bench-results/bench.json), so a saved report can be re-read.
 """
 
 from __future__ import annotations
