@@ -7,6 +7,7 @@ import sys
 
 from pathlib import Path
 
+import bench
 from bench.long_input_attention import run_long
 from bench.model_and_server import BenchOptions, run_bench
 
@@ -21,7 +22,8 @@ def parse_points(text: str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # the index, as written
     parser.add_argument("--quick", action="store_true", help="a tiny model and few requests (the test suite)")
     parser.add_argument("--out", default="bench-results/bench.json")
     parser.add_argument("--export-dir", default="", help="benchmark this export instead of exporting one")
