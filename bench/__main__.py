@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--out FILE] ...`: parse arguments, call bench.run.run_bench."""
+"""`python -m bench [--quick] [--out FILE] ...`: parse arguments, call bench.model_and_server.run_bench."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 
 from pathlib import Path
 
-from bench.long_bench import run_long
-from bench.run import BenchOptions, run_bench
+import bench
+from bench.long_input_attention import run_long
+from bench.model_and_server import BenchOptions, run_bench
 
 
 def parse_points(text: str) -> tuple:
@@ -21,7 +22,8 @@ def parse_points(text: str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # the index, as written
     parser.add_argument("--quick", action="store_true", help="a tiny model and few requests (the test suite)")
     parser.add_argument("--out", default="bench-results/bench.json")
     parser.add_argument("--export-dir", default="", help="benchmark this export instead of exporting one")
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: PyTorch, every session and the server on the GPU (needs onnxruntime-gpu)")
     parser.add_argument("--rss-requests", default=None, help="two request counts, e.g. 1000,20000")
     parser.add_argument("--long", action="store_true",
-                        help="only the long-input benchmark (bench/long_bench.py), into bench-results/long.json")
+                        help="only the long-input benchmark (bench/long_input_attention.py), into "
+                             "bench-results/long.json")
     parser.add_argument("--lengths", default="", help="with --long: only these T, e.g. 4096,32768 (default: all)")
     parser.add_argument("--engines", default="",
                         help="with --long: only these engines, of served,dense,torch,torch-sdpa (default: all)")
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the front end's cost per protocol (bench/front_end.py: Encode vs KServe v2, "
                              "32 clients, default flags), into bench-results/front_end.json")
     parser.add_argument("--models", action="store_true",
-                        help="only many models on one host (bench/models_bench.py: the default encoder and MiniLM, "
+                        help="only many models on one host (bench/many_models.py: the default encoder and MiniLM, "
                              "two processes vs one server, share and quiet-model p50), into bench-results/models.json")
     args = parser.parse_args(argv)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -57,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                                "--out", str(Path(args.out).with_name("front_end.json")),
                                *(["--rounds", "1", "--seconds", "3"] if args.quick else [])])
     if args.models:
-        from bench import models_bench
+        from bench import many_models
 
-        return models_bench.main(["--out", str(Path(args.out).with_name("models.json")),
-                                  *(["--quick"] if args.quick else [])])
+        return many_models.main(["--out", str(Path(args.out).with_name("models.json")),
+                                 *(["--quick"] if args.quick else [])])
     if args.long:
         report = run_long(long_out, quick=args.quick, threads=args.threads, device=args.device, say=say,
                           lengths=tuple(int(t) for t in args.lengths.split(",") if t),

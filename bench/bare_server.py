@@ -5,7 +5,7 @@ encoder.v1.EncoderService/Encode on 127.0.0.1 with grpcio's sync server, and its
 this: read `sequences[0]` as token ids, pad them into the graph inputs (serve.backend.feeds.pad_batch, one
 bidirectional row), `session.run`, and answer the pooled embedding. No validation, no batcher, no metrics,
 no interceptors, no health service. The benchmark times it beside the real server and an in-process
-`session.run` (bench/run.py), so one run shows how much of the real server's overhead is gRPC in
+`session.run` (bench/model_and_server.py), so one run shows how much of the real server's overhead is gRPC in
 Python itself and how much is ours. A measuring tool only: it trusts its input.
 """
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import server_bench as sb
+from bench.harness import peak_rss_mib, rss_bytes, running_server, token_ids
 from bench.model_bench import time_interleaved
 from export.cases import MaskSpec, make_feeds
 from model.export_format import read_metadata
@@ -137,17 +137,15 @@ def in_process(checkpoint: Path, graphs: dict[str, Path], config, pooling: dict,
 
 
 def served(export: Path, config, weights: int, has_sparse: bool) -> dict:
-    import psutil
     from client import EncoderClient, build_request
 
-    ids = sb.token_ids(config.vocab_size, SINGLE, seed=1)
-    with sb.running_server(str(export), [], start_timeout_s=900) as handle:
-        process = psutil.Process(handle.pid)
-        report = {"rss_serving_gib": process.memory_info().rss / (1 << 30)}
+    ids = token_ids(config.vocab_size, SINGLE, seed=1)
+    with running_server(str(export), [], start_timeout_s=900) as handle:
+        report = {"rss_serving_gib": rss_bytes(handle.pid) / (1 << 30)}
         with EncoderClient(handle.target, timeout=600.0, retries=0) as client:
             request = build_request([ids])
             client.stub.Encode(request, timeout=600)
-            report["rss_after_dense_request_gib"] = process.memory_info().rss / (1 << 30)
+            report["rss_after_dense_request_gib"] = rss_bytes(handle.pid) / (1 << 30)
             latencies = []
             for _ in range(12):
                 started = time.perf_counter()
@@ -155,12 +153,12 @@ def served(export: Path, config, weights: int, has_sparse: bool) -> dict:
                 latencies.append(1e3 * (time.perf_counter() - started))
             report["single_p50_ms"] = float(np.median(latencies))
             if has_sparse:
-                long_ids = sb.token_ids(config.vocab_size, LONG_ROW, seed=2)
+                long_ids = token_ids(config.vocab_size, LONG_ROW, seed=2)
                 started = time.perf_counter()
                 client.stub.Encode(build_request([long_ids], mask="sliding_window", window=WINDOW), timeout=900)
                 report["long_row_s"] = time.perf_counter() - started
-                report["rss_after_long_request_gib"] = process.memory_info().rss / (1 << 30)
-        report["vm_hwm_gib"] = (sb.vm_hwm_mb(handle.pid) or 0) / 1024
+                report["rss_after_long_request_gib"] = rss_bytes(handle.pid) / (1 << 30)
+        report["vm_hwm_gib"] = (peak_rss_mib(handle.pid) or 0) / 1024
     for key in [k for k in report if k.startswith("rss_")]:
         report[key.replace("_gib", "_x_weights")] = report[key] * (1 << 30) / weights
     return report

@@ -16,26 +16,12 @@ import argparse
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench import server_bench as sb
-
-
-def _metric(target_metrics: str, name: str) -> float:
-    for line in target_metrics.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def _scrape(port: int) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return response.read().decode()
+from bench.harness import (ServerHandle, closed_loop, latency_summary, metric_sum, running_server, scrape_metrics,
+                           spread, thread_cpu, thread_name)
 
 
 def _callers(protocol: str, target: str, ids: np.ndarray, model: str, http_target: str = ""):
@@ -81,55 +67,34 @@ def _callers(protocol: str, target: str, ids: np.ndarray, model: str, http_targe
     return call, client.close
 
 
-def load(protocol: str, server: sb.ServerHandle, metrics_port: int, model: str, *, clients: int, length: int,
+def load(protocol: str, server: ServerHandle, metrics_port: int, model: str, *, clients: int, length: int,
          seconds: float, vocab: int, rows: int = 1) -> dict:
     """`clients` threads back to back for `seconds` (after 2 s of warm-up): req/s, latency, CPU split."""
     rng = np.random.default_rng(0)
     http = f"127.0.0.1:{server.http_port}" if server.http_port else ""
     pairs = [_callers(protocol, server.target, rng.integers(1, vocab, (rows, length)), model, http)
              for _ in range(clients)]
-    for call, _ in pairs:
-        call()  # connect every channel before the clock starts
-    phase = {"measuring": False, "stop": False}
-    lock = threading.Lock()
-    latencies: list[float] = []
-    batch_sizes: list[int] = []
 
-    def worker(call) -> None:
-        while not phase["stop"]:
-            t0 = time.perf_counter()
-            rows = call()
-            elapsed = 1e3 * (time.perf_counter() - t0)
-            if phase["measuring"]:
-                with lock:
-                    latencies.append(elapsed)
-                    batch_sizes.append(rows)
+    def snapshot():
+        return thread_cpu(server.pid), scrape_metrics(metrics_port)
 
-    threads = [threading.Thread(target=worker, args=(call,), daemon=True) for call, _ in pairs]
-    for thread in threads:
-        thread.start()
-    time.sleep(2.0)  # warm-up (a benchmark, not a test: the window is a duration by design)
-    threads0, scrape0 = sb.thread_cpu(server.pid), _scrape(metrics_port)
-    t0 = time.perf_counter()
-    phase["measuring"] = True
-    time.sleep(seconds)
-    phase["measuring"] = False
-    wall = time.perf_counter() - t0
-    threads1, scrape1 = sb.thread_cpu(server.pid), _scrape(metrics_port)
-    phase["stop"] = True
-    for thread in threads:
-        thread.join(timeout=60)
-    for _, close in pairs:
-        close()
-    done = len(latencies)
+    try:
+        measured = closed_loop([call for call, _ in pairs], seconds=seconds, warmup_s=2.0, snapshot=snapshot,
+                               grace_s=60.0)
+    finally:
+        for _, close in pairs:
+            close()
+    (threads0, scrape0), (threads1, scrape1) = measured.snapshots
+    wall, batch_sizes = measured.seconds, measured.results
+    done = len(batch_sizes)
     total = sum(threads1.get(t, 0.0) - threads0.get(t, 0.0) for t in threads1)
-    pool = sum(threads1[t] - threads0.get(t, 0.0) for t in threads1 if sb.thread_name(server.pid, t) == "python"
+    pool = sum(threads1[t] - threads0.get(t, 0.0) for t in threads1 if thread_name(server.pid, t) == "python"
                and t != server.pid)  # ONNX Runtime's pool threads: the only unnamed ones but main
-    in_run = (_metric(scrape1, "encoder_session_run_cpu_seconds_total")
-              - _metric(scrape0, "encoder_session_run_cpu_seconds_total"))
+    in_run = (metric_sum(scrape1, "encoder_session_run_cpu_seconds_total")
+              - metric_sum(scrape0, "encoder_session_run_cpu_seconds_total"))
     model_cpu = pool + in_run
     return {"protocol": protocol, "clients": clients, "rows": rows, "length": length, "requests": done, "seconds": wall,
-            "throughput_rps": done / wall, **sb.percentiles(latencies),
+            "throughput_rps": done / wall, **latency_summary(measured.latencies_ms),
             "rows_per_run": len(batch_sizes) / sum(1.0 / b for b in batch_sizes) if batch_sizes else None,
             "server_cpu_ms_per_request": 1e3 * total / done, "model_cpu_ms_per_request": 1e3 * model_cpu / done,
             "front_cpu_ms_per_request": 1e3 * (total - model_cpu) / done}
@@ -156,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         protocols = args.protocols.split(",")
         port_file_flags = ["--metrics-port", "0", "--metrics-host", "127.0.0.1",
                            *(["--http-port", "0"] if "v2-rest" in protocols else []), *args.flags.split()]
-        with sb.running_server(args.export_dir, port_file_flags) as server:
+        with running_server(args.export_dir, port_file_flags) as server:
             metrics_port = server.metrics_port
             order = protocols if number % 2 == 0 else protocols[::-1]
             results = {}
@@ -178,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(results)
     summary = {}
     for key in ("encode_over_v2", "v2-rest_over_v2"):
-        ratios = sorted(r[key] for r in rounds if key in r)
+        ratios = [r[key] for r in rounds if key in r]
         if ratios:
-            summary[f"{key}_median"], summary[f"{key}_range"] = ratios[len(ratios) // 2], [ratios[0], ratios[-1]]
+            ratio = spread(ratios)
+            summary[f"{key}_median"], summary[f"{key}_range"] = ratio["median"], [ratio["min"], ratio["max"]]
     for protocol in protocols:
         for key in ("throughput_rps", "front_cpu_ms_per_request", "server_cpu_ms_per_request", "p50_ms"):
-            values = sorted(r[protocol][key] for r in rounds)
-            summary[f"{protocol}_{key}_median"] = values[len(values) // 2]
+            summary[f"{protocol}_{key}_median"] = spread([r[protocol][key] for r in rounds])["median"]
     print(json.dumps(summary, indent=2))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

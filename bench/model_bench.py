@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.flops import encoder_flops
+from bench.encoder_flops import encoder_flops
 from export.cases import MaskSpec, make_feeds
 from model.config import EncoderConfig
 from serve.backend.session import cuda_options

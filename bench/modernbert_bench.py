@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness import peak_rss_mib
+
 ENGINES = ("long", "dense", "hf-sdpa", "hf-eager")
 
 
@@ -48,13 +50,6 @@ def build(directory: Path, layers: int | None = None) -> Path:
     if code:
         raise SystemExit(f"export failed ({code})")
     return directory
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _device_used_mib() -> float | None:
@@ -118,7 +113,7 @@ def one(directory: Path, engine: str, length: int, threads: int, device: str = "
     elapsed = time.perf_counter() - started
     np.save(directory / f"hidden-{engine}-{length}.npy", hidden)  # for the parity column
     result = {"engine": engine, "length": length, "ms": elapsed * 1e3, "warmup_ms": warm * 1e3,
-              "peak_rss_mib": _peak_rss_mib(), "device": device}
+              "peak_rss_mib": peak_rss_mib(), "device": device}
     if device == "cuda":
         result["device_used_mib"] = _device_used_mib()
     return result

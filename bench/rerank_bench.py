@@ -10,11 +10,12 @@ server on the same directory (the optimum engine on an `optimum-cli export onnx 
 and its torch engine), set up by ../shared/peers/infinity/setup.sh. Both are called by the same client code:
 HTTP POST /rerank in infinity's body shape ({model, query, documents}), one keep-alive connection per client thread.
 
-Load: 8 clients in a closed loop, each request one query and 32 documents of 50-300 tokens (seeded), --requests
-timed requests per client per server per round after one warm-up each, servers alternating; then one client
-with five such requests in a row (p50). Reported:
-pairs/s per server, the ratios within each round (median and range), p50, and CrossEncoder.predict's pairs/s
-in this process at batch 32 on the same pairs. Scores of the two servers are compared first (largest difference).
+Load: 8 clients in a closed loop (bench.harness.closed_loop), each request one query and 32 documents of 50-300
+tokens (seeded), clients x --requests timed requests per server per round (shared: a faster client sends more)
+after one warm-up request each, servers alternating; then one client with five such requests in a row (p50).
+Reported: pairs/s per server, the ratios within each round (median and range), p50, and CrossEncoder.predict's
+pairs/s in this process at batch 32 on the same pairs. Scores of the two servers are compared first (largest
+difference).
 """
 
 from __future__ import annotations
@@ -26,26 +27,20 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river light sound music garden window paper story "
-         "question answer reason idea market system program student country family money water night").split()
+from bench.harness import (LOOPBACK, WORDS, closed_loop, free_port, percentiles, running_process, running_server,
+                           spread, wait_ready)
+
 SHAPE = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
              max_position_embeddings=512, num_labels=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(directory: str) -> str:
@@ -83,55 +78,39 @@ def _rerank(conn: http.client.HTTPConnection, model: str, query: str, documents:
     return scores
 
 
-def _wait(port: int, model: str, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited with {proc.returncode}")
-        try:
-            _rerank(http.client.HTTPConnection("127.0.0.1", port, timeout=60), model, "q", ["a document"])
-            return
-        except Exception:
-            time.sleep(1)
-    sys.exit(f"{what} never answered")
+def _answers(port: int) -> bool:
+    """A readiness probe: the server at `port` answers one rerank."""
+    _rerank(http.client.HTTPConnection(LOOPBACK, port, timeout=60), "reranker", "q", ["a document"])
+    return True
 
 
 def _load(port: int, model: str, requests, clients: int, per_client: int) -> dict:
-    """`clients` threads, each sending `per_client` requests in a row after one warm-up request (a closed
-    loop): pairs/s over the wall time from the first timed request's start to the last one's end, and the
-    p50 of the timed requests."""
-    latencies, lock, errors, spans = [], threading.Lock(), [0], []
-    ready = threading.Barrier(clients)
+    """`clients` threads in a closed loop, each after one warm-up request, until `clients * per_client` timed
+    requests were answered: pairs/s over the timed window, and the p50 of the timed requests."""
+    reconnects = [0] * clients  # each client thread counts its own
 
-    def worker(k: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        for n in range(per_client + 1):
-            if n == 1:
-                ready.wait()  # every client warmed up: the timed requests start together
-            query, documents = requests[(k + n * clients) % len(requests)]
-            started = time.time()
+    def client(k: int):
+        conn, sent = [http.client.HTTPConnection(LOOPBACK, port, timeout=600)], [0]
+
+        def call() -> None:
+            query, documents = requests[(k + sent[0] * clients) % len(requests)]
+            sent[0] += 1
             try:
-                _rerank(conn, model, query, documents)
+                _rerank(conn[0], model, query, documents)
             except (ConnectionError, http.client.HTTPException):
                 # a keep-alive connection the server closed while this client waited (uvicorn's default
-                # keep-alive is 5 s): counted, and the request sent again on a new connection, timed from there
-                with lock:
-                    errors[0] += 1
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-                started = time.time()
-                _rerank(conn, model, query, documents)
-            if n:
-                with lock:
-                    latencies.append(time.time() - started)
-                    spans.append((started, time.time()))
+                # keep-alive is 5 s): counted, and the request sent again on a new connection
+                reconnects[k] += 1
+                conn[0] = http.client.HTTPConnection(LOOPBACK, port, timeout=600)
+                _rerank(conn[0], model, query, documents)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    latencies.sort()
-    wall = max(end for _, end in spans) - min(start for start, _ in spans) if spans else float("inf")
-    return {"pairs_per_s": len(latencies) * 32 / wall,
-            "p50_ms": 1e3 * latencies[len(latencies) // 2] if latencies else None, "reconnects": errors[0]}
+        return call
+
+    # the count ends the load; the clock only bounds it (a request of 32 long documents takes about a second)
+    load = closed_loop([client(k) for k in range(clients)], seconds=1800.0, requests=clients * per_client)
+    return {"pairs_per_s": len(load.latencies_ms) * 32 / load.seconds if load.latencies_ms else 0.0,
+            "p50_ms": percentiles(load.latencies_ms, (50,))["p50_ms"], "reconnects": sum(reconnects),
+            "errors": load.errors}
 
 
 def _ms(result: dict) -> str:
@@ -141,7 +120,8 @@ def _ms(result: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=2, help="timed requests per client per round")
+    parser.add_argument("--requests", type=int, default=2,
+                        help="timed requests per client per round (on average: the clients share the count)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--peer", default=os.environ.get("PEER", "/tmp/peer_infinity"))
     parser.add_argument("--engines", default="optimum,torch", help="infinity engines to run (optimum, torch)")
@@ -157,27 +137,17 @@ def main(argv=None) -> None:
         sys.exit(f"export failed: {out.stderr[-1000:]}")
     rng = random.Random(7)
     requests = _requests(rng, 64)
-    procs: list[subprocess.Popen] = []
-
-    def stop_all() -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-
-    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(1)))
+    # a SIGTERM unwinds: every server is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     servers: dict[str, tuple[int, str]] = {}
-    try:
-        port = _free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "serve", "--export-dir", os.path.join(work, "reranker"), "--graph", args.graph,
-             "--host", "127.0.0.1", "--port", str(_free_port()), "--http-port", str(port), "--metrics-port", "-1"],
-            stdout=open(os.path.join(work, "serve.log"), "w"), stderr=subprocess.STDOUT))
-        _wait(port, "reranker", procs[-1], "the project")
-        servers["project"] = (port, "reranker")
+    with ExitStack() as stack:
+        try:
+            project = stack.enter_context(running_server(
+                os.path.join(work, "reranker"), ["--graph", args.graph, "--http-port", "0"],
+                ready=lambda server: _answers(server.http_port), start_timeout_s=600.0))
+        except (RuntimeError, TimeoutError) as error:
+            sys.exit(f"the project: {error}")
+        servers["project"] = (project.http_port, "reranker")
         env = dict(os.environ, DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", INFINITY_ANONYMOUS_USAGE_STATS="0")
         for engine in [e for e in args.engines.split(",") if e]:
             model_dir = checkpoint
@@ -189,20 +159,22 @@ def main(argv=None) -> None:
                 if export.returncode:
                     print(f"infinity optimum: optimum-cli export failed: {export.stderr[-300:]}", flush=True)
                     continue
-            port = _free_port()
-            procs.append(subprocess.Popen(
+            port, log = free_port(), Path(work) / f"infinity-{engine}.log"
+            process, _, deadline = stack.enter_context(running_process(
                 [os.path.join(args.peer, "venv/bin/infinity_emb"), "v2", "--model-id", ".", "--served-model-name",
-                 "reranker", "--engine", engine, "--device", "cpu", "--batch-size", "32", "--host", "127.0.0.1",
-                 "--port", str(port)], cwd=model_dir, env=env,
-                stdout=open(os.path.join(work, f"infinity-{engine}.log"), "w"), stderr=subprocess.STDOUT))
-            _wait(port, "reranker", procs[-1], f"infinity ({engine})")
+                 "reranker", "--engine", engine, "--device", "cpu", "--batch-size", "32", "--host", LOOPBACK,
+                 "--port", str(port)], log, cwd=model_dir, env=env, start_timeout_s=600.0))
+            try:
+                wait_ready(lambda: _answers(port), process, deadline, f"infinity ({engine})", log, interval_s=1.0)
+            except (RuntimeError, TimeoutError) as error:
+                sys.exit(str(error))
             servers[f"infinity-{engine}"] = (port, "reranker")
 
         # the same scores from every server first
         query, documents = requests[0]
-        reference = np.asarray(_rerank(http.client.HTTPConnection("127.0.0.1", servers["project"][0], timeout=300),
+        reference = np.asarray(_rerank(http.client.HTTPConnection(LOOPBACK, servers["project"][0], timeout=300),
                                        "reranker", query, documents))
-        agreement = {name: float(np.abs(np.asarray(_rerank(http.client.HTTPConnection("127.0.0.1", p, timeout=300),
+        agreement = {name: float(np.abs(np.asarray(_rerank(http.client.HTTPConnection(LOOPBACK, p, timeout=300),
                                                                    m, query, documents)) - reference).max())
                      for name, (p, m) in servers.items() if name != "project"}
         print(f"largest score difference to the project: {agreement}", flush=True)
@@ -216,8 +188,6 @@ def main(argv=None) -> None:
                   flush=True)
         single = {name: _load(*servers[name], requests, 1, 5) for name in servers}
         print("one client: " + "; ".join(f"{n} p50 {_ms(r)}" for n, r in single.items()), flush=True)
-    finally:
-        stop_all()
 
     from sentence_transformers import CrossEncoder
 
@@ -232,7 +202,7 @@ def main(argv=None) -> None:
         if name == "project":
             continue
         ratios = [r["project"]["pairs_per_s"] / max(r[name]["pairs_per_s"], 1e-9) for r in rounds]
-        summary[f"project/{name}"] = {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
+        summary[f"project/{name}"] = spread(ratios)
     project = float(np.median([r["project"]["pairs_per_s"] for r in rounds]))
     summary["project/cross-encoder-in-process"] = project / in_process
     print(f"CrossEncoder.predict in process, batch 32: {in_process:.0f} pairs/s")

@@ -5,7 +5,7 @@ clients): zero failed requests, RSS growth <= 3 %, p99 of the last minute <= 2x 
 
 1. The packaged all-MiniLM-L6-v2 (`python -m export --minilm` -> exports/all-minilm-l6-v2, reused when
    present) served by a real `python -m serve` subprocess on 127.0.0.1 (gRPC + HTTP, metrics off),
-   started and stopped by bench.server_bench.running_server.
+   started and stopped by bench.harness.running_server.
 2. Capacity: a closed loop (--capacity-seconds, 20 s after 2 s of warm-up) of --capacity-clients
    clients, half over gRPC Encode (`texts`, mean pooling, normalized, truncate), half over HTTP POST
    /v1/embeddings (OpenAI shape, truncate), each HTTP client a keep-alive connection of its own
@@ -38,7 +38,6 @@ import queue
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,20 +49,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from bench.server_bench import REPO, running_server
+from bench.harness import (LOOPBACK, MIB, REPO, ServerHandle, closed_loop, cpu_seconds, host_busy_seconds, percentiles,
+                           rss_bytes, running_server, sentence)
 
 DEFAULT_EXPORT = "exports/all-minilm-l6-v2"
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river light sound music garden window paper story "
-         "question answer reason idea market system program student country family money water night").split()
 SHORT = ("The quick brown fox jumps over the lazy dog.", "A first sentence.", "How do I reset my password?",
          "Une deuxième phrase.", "The weather is nice today.", "Where is the nearest train station?")
 RSS_LIMIT_PCT = 3.0
 P99_FACTOR = 2.0
-
-
-def sentence(n_words: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_words)).capitalize() + "."
 
 
 MIXED = [sentence(random.Random(i).randint(6, 240), random.Random(1000 + i)) for i in range(256)]
@@ -77,12 +70,6 @@ def texts_for(rng: random.Random) -> list[str]:
     if roll < 0.9:
         return [rng.choice(MIXED)]
     return [rng.choice(MIXED) for _ in range(rng.randint(2, 8))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ outcomes
@@ -272,76 +259,44 @@ def ensure_export(export_dir: str, say) -> Path:
     return path
 
 
-def http_ready(port: int, deadline: float) -> tuple[str, int]:
-    """Waits for /v2/health/ready; returns (the served model's name, the embedding width)."""
-    while True:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/v2/health/ready")
-            ready = conn.getresponse()
-            ready.read()
-            if ready.status == 200:
-                conn.request("GET", "/v1/models")
-                model = json.loads(conn.getresponse().read())["data"][0]["id"]
-                conn.request("POST", "/v1/embeddings", json.dumps({"model": model, "input": [SHORT[0]]}).encode(),
-                             {"Content-Type": "application/json"})
-                dim = len(json.loads(conn.getresponse().read())["data"][0]["embedding"])
-                conn.close()
-                return model, dim
-            conn.close()
-        except (OSError, http.client.HTTPException, KeyError, IndexError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"HTTP on port {port} never became ready")
-        time.sleep(0.1)
+def http_ready(server: ServerHandle) -> bool:
+    """The server's readiness here (a running_server probe): /v2/health/ready answers 200 over HTTP."""
+    conn = http.client.HTTPConnection(LOOPBACK, server.http_port, timeout=5)
+    try:
+        conn.request("GET", "/v2/health/ready")
+        response = conn.getresponse()
+        response.read()
+        return response.status == 200
+    finally:
+        conn.close()
 
 
-def tree_rss(pid: int) -> int:
-    """RSS of process `pid` and its children (bytes)."""
-    process = psutil.Process(pid)
-    total = process.memory_info().rss
-    for child in process.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine spent busy (all CPUs, idle and iowait excluded)."""
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-
-
-def cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system + times.children_user + times.children_system
+def served_model(port: int) -> tuple[str, int]:
+    """(the served model's name, the embedding width), asked over HTTP."""
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=60)
+    try:
+        conn.request("GET", "/v1/models")
+        model = json.loads(conn.getresponse().read())["data"][0]["id"]
+        conn.request("POST", "/v1/embeddings", json.dumps({"model": model, "input": [SHORT[0]]}).encode(),
+                     {"Content-Type": "application/json"})
+        return model, len(json.loads(conn.getresponse().read())["data"][0]["embedding"])
+    finally:
+        conn.close()
 
 
 # ------------------------------------------------------------------ the two phases
 def capacity(pool: Pool, seconds: float, timeout: float, seed: int, say) -> dict:
-    """Closed loop: every caller of `pool` sends back to back; 2 s warm-up, then `seconds` counted."""
+    """Closed loop (bench.harness.closed_loop): every caller of `pool` sends back to back; 2 s warm-up, then
+    `seconds` counted."""
     callers = pool.grpc + pool.http
     t0 = time.monotonic()
-    warm_end, stop_at = 2.0, 2.0 + seconds
-    records: list[list[Record]] = [[] for _ in callers]
 
-    def worker(i: int) -> None:
+    def sender(i: int):
         rng = random.Random(seed * 1000 + i)
-        out = records[i]
-        for _ in range(1_000_000):  # bounded by count as well as by the clock
-            now = time.monotonic() - t0
-            if now >= stop_at:
-                return
-            out.append(call(callers[i], texts_for(rng), timeout, now, t0))
+        return lambda: call(callers[i], texts_for(rng), timeout, time.monotonic() - t0, t0)
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"cap-{i}") for i in range(len(callers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=stop_at + timeout + 10)
-    counted = [r for rs in records for r in rs if warm_end <= r.t_end <= stop_at]  # answered in the window
+    counted = closed_loop([sender(i) for i in range(len(callers))], seconds=seconds, warmup_s=2.0,
+                          grace_s=timeout + 10).results  # answered in the window
     ok = [r for r in counted if not r.failure]
     rps = len(ok) / seconds
     result = {"seconds": seconds, "clients": len(callers), "grpc_clients": len(pool.grpc),
@@ -349,18 +304,11 @@ def capacity(pool: Pool, seconds: float, timeout: float, seed: int, say) -> dict
               "texts_per_s": sum(r.n_texts for r in ok) / seconds,
               "rps_by_protocol": {p: sum(1 for r in ok if r.protocol == p) / seconds for p in ("grpc", "http")},
               "failures": dict(Counter(r.failure for r in counted if r.failure)),
-              **stats([r.latency_ms for r in ok])}
+              **percentiles([r.latency_ms for r in ok], (50, 99))}
     say(f"capacity: {rps:.1f} req/s ({result['texts_per_s']:.1f} texts/s) over {seconds:.0f} s, "
         f"{len(callers)} closed-loop clients, p50 {fmt(result['p50_ms'])} p99 {fmt(result['p99_ms'])}, "
         f"failures {sum(result['failures'].values())}")
     return result
-
-
-def stats(values: list[float]) -> dict:
-    if not values:
-        return {"p50_ms": None, "p99_ms": None}
-    a = np.asarray(values)
-    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
 
 
 def fmt(value: float | None) -> str:
@@ -435,14 +383,13 @@ class Soak:
         def sampler() -> None:
             """The server's RSS and the CPU seconds of the server, this process and the whole machine,
             every 2 s and at each minute's end (the RSS verdict's start is the sample at minute 1's end)."""
-            me = psutil.Process()
             stop.wait(max(0.0, t0 - time.monotonic()))
             for _ in range(1_000_000):
                 now = time.monotonic() - t0
                 try:
-                    self.rss.append((now, tree_rss(self.server_pid)))
-                    self.cpu.append((now, machine_busy_seconds(), cpu_seconds(self.server_pid),
-                                     sum(me.cpu_times()[:2])))
+                    self.rss.append((now, rss_bytes(self.server_pid, children=True)))
+                    self.cpu.append((now, host_busy_seconds(), cpu_seconds(self.server_pid, children=True),
+                                     cpu_seconds()))
                 except Exception:  # noqa: BLE001 - the server is gone; the failures say so
                     return
                 if now >= self.seconds or stop.is_set():
@@ -478,7 +425,7 @@ class Soak:
         finally:
             stop.set()
         try:
-            self.rss_end = tree_rss(self.server_pid)
+            self.rss_end = rss_bytes(self.server_pid, children=True)
         except Exception:  # noqa: BLE001 - the server is gone
             self.rss_end = None
         self.t_end = time.monotonic() - t0
@@ -495,8 +442,8 @@ def minute_row(records: list[Record], m: int, minute_s: float, seconds: float) -
     kinds = Counter(f"{r.protocol}: {r.failure}" for r in inside if r.failure)
     return {"minute": m + 1, "requests": len(inside), "ok": len(ok), "failures": len(inside) - len(ok),
             "failures_by_kind": dict(kinds), "rps": len(inside) / length,
-            **stats([r.latency_ms for r in ok]),
-            "p99_service_ms": stats([r.service_ms for r in ok])["p99_ms"]}
+            **percentiles([r.latency_ms for r in ok], (50, 99)),
+            "p99_service_ms": percentiles([r.service_ms for r in ok], (99,))["p99_ms"]}
 
 
 def minute_cpu(samples: list, m: int, minute_s: float) -> dict:
@@ -528,7 +475,7 @@ def client_rows(records: list[Record], callers: list) -> dict:
                       "connections_opened": (sum(c.connections for c in callers if c.name == name)
                                              if all(isinstance(c, HttpConnCaller) for c in callers
                                                     if c.name == name) else None),
-                      **stats([r.latency_ms for r in ok])}
+                      **percentiles([r.latency_ms for r in ok], (50, 99))}
     return rows
 
 
@@ -629,28 +576,27 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as error:
         say(str(error))
         return 2
-    port, http_port = free_port(), free_port()
-    # running_server passes --port 0 --http-port -1 first; these come after it and win (argparse: last one)
-    flags = ["--port", str(port), "--http-port", str(http_port), *shlex.split(args.server_flags)]
+    # running_server passes --http-port -1 first; this comes after it and wins (argparse: the last one)
+    flags = ["--http-port", "0", *shlex.split(args.server_flags)]
     seconds = args.minutes * 60.0
     try:
-        with running_server(str(export_dir), flags, start_timeout_s=300.0) as server:
+        with running_server(str(export_dir), flags, start_timeout_s=300.0, ready=http_ready) as server:
+            http_port = server.http_port
             say(f"server pid {server.pid} on 127.0.0.1:{server.port} (gRPC, {server.transport}) and :{http_port} "
                 f"(HTTP); log {server.log}")
-            model, dim = http_ready(http_port, time.monotonic() + 120)
-            me = psutil.Process()
+            model, dim = served_model(http_port)
             if args.rate > 0:
                 cap = {"seconds": 0.0, "clients": 0, "rps": args.rate / args.load, "skipped": True,
                        "failures": {}, "p50_ms": None, "p99_ms": None}
             else:
                 half = max(1, args.capacity_clients // 2)
                 cap_pool = Pool(server.target, http_port, model, dim, half, "cap-")
-                before = (time.monotonic(), machine_busy_seconds(), cpu_seconds(server.pid), sum(me.cpu_times()[:2]))
+                before = (time.monotonic(), host_busy_seconds(), cpu_seconds(server.pid, children=True), cpu_seconds())
                 try:
                     cap = capacity(cap_pool, args.capacity_seconds, args.timeout, args.seed, say)
                 finally:
                     cap_pool.close()
-                after = (time.monotonic(), machine_busy_seconds(), cpu_seconds(server.pid), sum(me.cpu_times()[:2]))
+                after = (time.monotonic(), host_busy_seconds(), cpu_seconds(server.pid, children=True), cpu_seconds())
                 cap.update(cores_between(before, after))
                 time.sleep(2.0)
             rate = args.rate if args.rate > 0 else args.load * cap["rps"]
@@ -668,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"soak: {rate:.1f} req/s ({args.load:.0%} of {cap['rps']:.1f}) for {args.minutes:g} min, "
                 f"{args.workers} threads per protocol, {len(idle)} idle clients "
                 f"({', '.join(c.name for c in idle)}){'' if have_requests() else '; requests not importable'}")
-            rss_start = tree_rss(server.pid)
-            cpu0 = (cpu_seconds(server.pid), sum(me.cpu_times()[:2]), time.monotonic())
+            rss_start = rss_bytes(server.pid, children=True)
+            cpu0 = (cpu_seconds(server.pid, children=True), cpu_seconds(), time.monotonic())
             soak = Soak(pool, idle, rate, seconds, args.minute_seconds, args.timeout, args.seed, server.pid, say)
             try:
                 soak.run()
@@ -679,9 +625,9 @@ def main(argv: list[str] | None = None) -> int:
                     caller.close()
                 idle_grpc_client.close()
             try:
-                cpu1 = (cpu_seconds(server.pid), sum(me.cpu_times()[:2]), time.monotonic())
+                cpu1 = (cpu_seconds(server.pid, children=True), cpu_seconds(), time.monotonic())
             except psutil.Error:  # the server is gone
-                cpu1 = (cpu0[0], sum(me.cpu_times()[:2]), time.monotonic())
+                cpu1 = (cpu0[0], cpu_seconds(), time.monotonic())
             server_alive = server.process.poll() is None
     except (RuntimeError, TimeoutError) as error:
         say(f"could not run: {error}")
@@ -695,7 +641,6 @@ def main(argv: list[str] | None = None) -> int:
     after = [r for r in records if r.t_sched >= n_minutes * args.minute_seconds]  # none expected
     total_failures = sum(1 for r in records if r.failure)
     rss_m1 = next((b for t, b in soak.rss if t >= args.minute_seconds), None) if seconds > args.minute_seconds else None
-    mib = 1 << 20
     report = {
         "config": {"minutes": args.minutes, "load": args.load, "workers_per_protocol": args.workers,
                    "timeout_s": args.timeout, "minute_seconds": args.minute_seconds, "seed": args.seed,
@@ -709,12 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         "idle_clients": {"names": [c.name for c in idle], "burst": "1-4 requests back to back",
                          "idle_s": [6.0, 20.0],
                          "why": "longer than uvicorn's default 5 s keep-alive, which broke pooled connections"},
-        "rss": {"start_mib": rss_start / mib, "minute1_mib": rss_m1 / mib if rss_m1 else None,
-                "end_mib": soak.rss_end / mib if soak.rss_end else None,
-                "peak_mib": max([b for _, b in soak.rss] + [soak.rss_end or 0]) / mib,
+        "rss": {"start_mib": rss_start / MIB, "minute1_mib": rss_m1 / MIB if rss_m1 else None,
+                "end_mib": soak.rss_end / MIB if soak.rss_end else None,
+                "peak_mib": max([b for _, b in soak.rss] + [soak.rss_end or 0]) / MIB,
                 "growth_pct": 100.0 * (soak.rss_end - rss_m1) / rss_m1 if rss_m1 and soak.rss_end else None,
-                "samples_mib": [[round(t, 1), round(b / mib, 2)] for t, b in soak.rss]},
-        "dispatch_lag_p99_ms": (float(np.percentile(soak.dispatch_lag_ms, 99)) if soak.dispatch_lag_ms else None),
+                "samples_mib": [[round(t, 1), round(b / MIB, 2)] for t, b in soak.rss]},
+        "dispatch_lag_p99_ms": percentiles(soak.dispatch_lag_ms, (99,))["p99_ms"],
         "cpu": {"server_cores": (cpu1[0] - cpu0[0]) / (cpu1[2] - cpu0[2]),
                 "client_cores": (cpu1[1] - cpu0[1]) / (cpu1[2] - cpu0[2])},
         "threads_still_running": soak.stuck_threads,

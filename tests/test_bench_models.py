@@ -1,10 +1,10 @@
-"""bench/models_bench.py's arithmetic and repository (the load itself runs in `python -m bench --models`)."""
+"""bench/many_models.py's arithmetic and repository (the load itself runs in `python -m bench --models`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import models_bench as mb
+from bench import many_models as mb
 
 
 def test_share_sums_each_models_rate_with_both_over_its_rate_alone():

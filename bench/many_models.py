@@ -1,4 +1,4 @@
-"""Many models on one host (issue 27): `python -m bench.models_bench [--rounds 3] [--seconds 8] [--quick]`.
+"""Many models on one host (issue 27): `python -m bench.many_models [--rounds 3] [--seconds 8] [--quick]`.
 
 Two models, each with its own load, served two ways:
   two_processes  one `python -m serve --export-dir E` per export (default flags otherwise): what users do today
@@ -29,7 +29,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -37,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import server_bench as sb
+from bench.harness import (REPO, ServerHandle, closed_loop, cpu_seconds, host_busy_seconds, latency_summary,
+                           metric_sum, running_server, scrape_metrics, token_ids)
 
 TARGETS = ("two_processes", "one_server")
 FLOOD_CLIENTS = 32  # per model alone, and the flood in the latency phases; half of it per model in "both"
@@ -73,7 +73,7 @@ class Workload:
             tensor.set_data_from_numpy(np.array([SENTENCES[seed % len(SENTENCES)].encode()], dtype=object))
         else:
             tensor = grpcclient.InferInput("input_ids", [1, IDS_LENGTH], "INT64")
-            tensor.set_data_from_numpy(sb.token_ids(self.vocab_size, IDS_LENGTH, seed)[None])
+            tensor.set_data_from_numpy(token_ids(self.vocab_size, IDS_LENGTH, seed)[None])
         return [tensor]
 
 
@@ -88,56 +88,36 @@ def workload(export_dir: str) -> Workload:
 
 
 @dataclass(frozen=True)
-class Server:
-    pid: int
-    port: int
-    metrics_port: int | None
-
-
-@dataclass(frozen=True)
 class Target:
     """Where each model is served: {model name: host:port}, and the server processes behind them."""
 
     name: str
     urls: dict[str, str]
-    servers: tuple[Server, ...]
+    servers: tuple[ServerHandle, ...]
 
 
 # -- starting the servers ----------------------------------------------------------------------------------
 
-def _wait_ready(url: str, models: list[str], process, log: Path, deadline: float) -> None:
-    """Until KServe ModelReady says yes for every one of `models` at `url`."""
-    import tritonclient.grpc as grpcclient
+def models_ready(models: list[str]):
+    """A running_server readiness probe: KServe ModelReady says yes for every one of `models`."""
+    def probe(server: ServerHandle) -> bool:
+        import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url=url)
-    try:
-        waiting = list(models)
-        while waiting:
-            try:
-                waiting = [m for m in waiting if not client.is_model_ready(m)]
-            except Exception:  # noqa: BLE001 - not listening yet
-                pass
-            if not waiting:
-                return
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"models {waiting} never became ready at {url}: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-    finally:
-        client.close()
+        client = grpcclient.InferenceServerClient(url=server.target)
+        try:
+            return all(client.is_model_ready(m) for m in models)
+        finally:
+            client.close()
+
+    return probe
 
 
 @contextmanager
 def serve_process(source_flags: list[str], models: list[str], flags: list[str]):
     """One `python -m serve` on 127.0.0.1 (OS-chosen ports, HTTP off, metrics on), ready for `models`."""
-    workdir = Path(tempfile.mkdtemp(prefix="bench-models-"))
-    port_file, log = workdir / "ports.json", workdir / "server.log"
-    command = [sys.executable, "-m", "serve", *source_flags, "--host", "127.0.0.1", "--port", "0",
-               "--http-port", "-1", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-               "--port-file", str(port_file), "--log-level", "warning", *flags]
-    with sb._process_with_port_file(command, port_file, log, START_TIMEOUT_S) as (process, ports, deadline):
-        url = f"127.0.0.1:{int(ports['port'])}"
-        _wait_ready(url, models, process, log, deadline)
-        yield url, Server(process.pid, int(ports["port"]), ports.get("metrics_port"))
+    with running_server(None, ["--metrics-port", "0", "--metrics-host", "127.0.0.1", *flags], source=source_flags,
+                        ready=models_ready(models), start_timeout_s=START_TIMEOUT_S) as server:
+        yield server.target, server
 
 
 @contextmanager
@@ -180,45 +160,8 @@ def one_server_available() -> bool:
 
 # -- load ----------------------------------------------------------------------------------------------------
 
-def _scrape(port: int | None) -> dict[str, float]:
-    """{metric line's name and labels: value} of one server's /metrics (empty when it has none)."""
-    if port is None:
-        return {}
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            try:
-                out[key] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
 COUNTERS = ("encoder_session_run_cpu_seconds_total", "encoder_model_rows_total", "encoder_sequences_total",
             "encoder_inference_seconds_sum", "encoder_inference_seconds_count")  # kept per phase, per label set
-
-
-def _sum_metric(scrape: dict[str, float], name: str) -> float:
-    """`name` summed over its label sets."""
-    return sum(v for k, v in scrape.items() if k == name or k.startswith(name + "{"))
-
-
-def _process_cpu(pid: int) -> float:
-    return sum(sb.thread_cpu(pid).values())
-
-
-def _host_busy_cpu() -> float:
-    """CPU seconds the whole host spent busy (not idle, not waiting on I/O), from /proc/stat."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_load(target: Target, workloads: dict[str, Workload], clients: dict[str, int], *, seconds: float,
@@ -227,77 +170,48 @@ def run_load(target: Target, workloads: dict[str, Workload], clients: dict[str, 
     `seconds` after `warmup_s`. Per model: req/s, latency, rows per session.run, errors; per server: CPU
     cores used and the part inside session.run (encoder_session_run_cpu_seconds_total, the batcher threads'
     own CPU); the bench process's CPU (the clients)."""
-    import psutil
     import tritonclient.grpc as grpcclient
 
     outputs = [grpcclient.InferRequestedOutput("embeddings")]
-    callers = []  # (model, call, close)
+    calls, models_of, closers = [], [], []
     for model, count in clients.items():
         for seed in range(count):
             client = grpcclient.InferenceServerClient(url=target.urls[model])
             inputs = workloads[model].request(seed)
 
-            def call(client=client, inputs=inputs, model=model) -> int:
+            def call(client=client, inputs=inputs, model=model) -> tuple[str, int]:
                 response = client.infer(model, inputs, outputs=outputs, client_timeout=60.0).get_response()
-                return response.parameters["batch_size"].int64_param
+                return model, response.parameters["batch_size"].int64_param
 
-            callers.append((model, call, client.close))
-    for _, call, _ in callers:
-        call()  # connect every channel (and check the request) before the clock starts
-    phase = {"measuring": False, "stop": False}
-    lock = threading.Lock()
-    samples = {model: {"latency": [], "rows": [], "errors": 0} for model in clients}
-
-    def worker(model, call) -> None:
-        mine = samples[model]
-        while not phase["stop"]:
-            t0 = time.perf_counter()
-            try:
-                rows = call()
-            except Exception:  # noqa: BLE001 - counted; the phase goes on
-                with lock:
-                    mine["errors"] += 1
-                time.sleep(0.01)
-                continue
-            elapsed = 1e3 * (time.perf_counter() - t0)
-            if phase["measuring"]:
-                with lock:
-                    mine["latency"].append(elapsed)
-                    mine["rows"].append(rows)
-
-    threads = [threading.Thread(target=worker, args=(model, call), daemon=True) for model, call, _ in callers]
-    for thread in threads:
-        thread.start()
-    time.sleep(warmup_s)  # a benchmark: the window is a duration by design
-    me = psutil.Process()
+            calls.append(call)
+            models_of.append(model)
+            closers.append(client.close)
 
     def snapshot():
-        return ([(_process_cpu(s.pid), _scrape(s.metrics_port)) for s in target.servers],
-                sum(me.cpu_times()[:2]), _host_busy_cpu())
+        return ([(cpu_seconds(s.pid), scrape_metrics(s.metrics_port)) for s in target.servers], cpu_seconds(),
+                host_busy_seconds())
 
-    servers0, me0, host0 = snapshot()
-    t0 = time.perf_counter()
-    phase["measuring"] = True
-    time.sleep(seconds)
-    phase["measuring"] = False
-    wall = time.perf_counter() - t0
-    servers1, me1, host1 = snapshot()
-    phase["stop"] = True
-    for thread in threads:
-        thread.join(timeout=90)
-    for _, _, close in callers:
-        close()
+    try:  # a failed request is counted, and its client pauses 10 ms so that a dead server is not spun on
+        load = closed_loop(calls, seconds=seconds, warmup_s=warmup_s, snapshot=snapshot, error_pause_s=0.01,
+                           grace_s=90.0)
+    finally:
+        for close in closers:
+            close()
+    (servers0, me0, host0), (servers1, me1, host1) = load.snapshots
+    wall = load.seconds
     models = {}
-    for model, s in samples.items():
-        done = len(s["latency"])
-        models[model] = {"clients": clients[model], "requests": done, "errors": s["errors"],
-                         "rate_rps": done / wall, **(sb.percentiles(s["latency"]) if done else {}),
-                         "rows_per_run": len(s["rows"]) / sum(1.0 / b for b in s["rows"])
-                         if s["rows"] and min(s["rows"]) > 0 else None}
+    for model in clients:
+        latencies = [ms for ms, (m, _) in zip(load.latencies_ms, load.results) if m == model]
+        rows = [r for m, r in load.results if m == model]
+        done = len(latencies)
+        models[model] = {"clients": clients[model], "requests": done,
+                         "errors": sum(e for e, m in zip(load.client_errors, models_of) if m == model),
+                         "rate_rps": done / wall, **(latency_summary(latencies) if done else {}),
+                         "rows_per_run": len(rows) / sum(1.0 / b for b in rows) if rows and min(rows) > 0 else None}
     servers = []
     for server, (cpu0, scrape0), (cpu1, scrape1) in zip(target.servers, servers0, servers1):
-        in_run = (_sum_metric(scrape1, "encoder_session_run_cpu_seconds_total")
-                  - _sum_metric(scrape0, "encoder_session_run_cpu_seconds_total"))
+        in_run = (metric_sum(scrape1, "encoder_session_run_cpu_seconds_total")
+                  - metric_sum(scrape0, "encoder_session_run_cpu_seconds_total"))
         counters = {k: v - scrape0.get(k, 0.0) for k, v in scrape1.items() if k.split("{")[0] in COUNTERS}
         servers.append({"pid": server.pid, "cpu_cores": (cpu1 - cpu0) / wall,
                         "session_run_batcher_cpu_cores": in_run / wall, "counters": counters})
@@ -325,9 +239,9 @@ class HostGate:
             return 0.0
         deadline = time.monotonic() + self.wait_s
         while True:
-            before = _host_busy_cpu()
-            time.sleep(1.0)
-            busy = _host_busy_cpu() - before
+            before = host_busy_seconds()
+            time.sleep(1.0)  # the host's busy CPU over one second
+            busy = host_busy_seconds() - before
             if busy < self.max_other_cores or time.monotonic() > deadline:
                 if busy >= self.max_other_cores:
                     say(f"  host still busy ({busy:.2f} cores) after {self.wait_s:.0f} s; measuring anyway")
@@ -448,9 +362,9 @@ def _commit() -> str:
     import subprocess
 
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=sb.REPO, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "serve"], cwd=sb.REPO, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "serve"], cwd=REPO, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -458,7 +372,7 @@ def _commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.models_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.many_models", description=__doc__.split("\n")[0])
     parser.add_argument("--export-dir", action="append", default=None,
                         help="an export to serve (twice); default: exports/default and exports/all-minilm-l6-v2")
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,8 +1,10 @@
 """Judging a benchmark run against the issue's targets, and the table printed for it. Works on the
-report dict bench/run.py writes (bench-results/bench.json), so a saved report can be re-read.
+report dict bench/model_and_server.py writes (bench-results/bench.json), so a saved report can be re-read.
 """
 
 from __future__ import annotations
+
+from bench.harness import verdicts
 
 # The issue's targets: (key, description, limit, at least (True) or at most (False)).
 TARGETS = (
@@ -46,18 +48,6 @@ def judge(model_rows: list[dict], server: dict | None, matmul: float) -> list[di
                                                              thr["batching_off"]["throughput_rps"])
         values["rss_growth_1k_to_20k"] = mem.get("growth")
     return verdicts(TARGETS, values)
-
-
-def verdicts(targets, values: dict) -> list[dict]:
-    """Each target of `targets` ((key, description, limit, at least?) tuples) judged on values[key]:
-    met True/False, or None where the value was not measured."""
-    out = []
-    for key, text, limit, at_least in targets:
-        value = values.get(key)
-        met = None if value is None else (value >= limit if at_least else value <= limit)
-        out.append({"target": key, "description": text, "limit": limit,
-                    "direction": ">=" if at_least else "<=", "value": value, "met": met})
-    return out
 
 
 def row_text(row: dict) -> str:

@@ -1,5 +1,5 @@
 """One benchmark run: export (or reuse) the graphs, time the model, time the server, write JSON.
-`python -m bench` calls `run_bench`; judging the targets and the table are bench/report.py's.
+`python -m bench` calls `run_bench`; judging the targets and the table are bench/model_and_server_report.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 
 from bench import model_bench as mb
 from bench import server_bench as sb
-from bench.report import format_table, judge, row_text
+from bench.harness import RssSampler, mib, peak_rss_mib, running_server, token_ids
+from bench.model_and_server_report import format_table, judge, row_text
 from model.config import EncoderConfig
 from model.export_format import ExportError, read_metadata
 
@@ -208,7 +209,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     graph_files = read_metadata(export_dir).graphs
     vocab = config.vocab_size
     length = min(128, config.max_positions) if not options.quick else min(16, config.max_positions)
-    ids = sb.token_ids(vocab, length, seed=1)
+    ids = token_ids(vocab, length, seed=1)
     result: dict = {"latency": {}, "throughput": {}, "memory": {}}
 
     # (b) latency, server vs in-process: same graph, same thread count, same session options.
@@ -222,7 +223,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     # Beside them, on CPU: bench/bare_server.py, a gRPC server that only runs session.run -- the floor
     # that gRPC in Python sets under any Python server's latency.
     with ExitStack() as stack:
-        server = stack.enter_context(sb.running_server(str(export_dir), flags))
+        server = stack.enter_context(running_server(str(export_dir), flags))
         say(f"server up on {server.target} (pid {server.pid}) flags {' '.join(flags)}")
         targets = {"server": server.target}
         if options.device == "cpu" and config.input_kind == "tokens":
@@ -232,7 +233,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     result["latency"].update(point=[1, length], graph=graph, flags=flags)
     # The same with a 2 ms batching delay: what waiting for company costs a lone request.
     flags = sb.server_flags(graph, threads, batching=True, queue_delay_ms=2.0) + device
-    with sb.running_server(str(export_dir), flags) as server:
+    with running_server(str(export_dir), flags) as server:
         result["latency_queue_delay_2ms"] = sb.paired_latency({"server": server.target}, ids, session, feeds,
                                                              warmup=10, requests=options.latency_requests)
     result["latency_queue_delay_2ms"].update(point=[1, length], graph=graph, flags=flags)
@@ -244,12 +245,12 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
     del session
 
     # (b) throughput with batching on / off; (c) RSS of the batching server from its start.
-    client_ids = [sb.token_ids(vocab, options.client_length, seed=100 + i) for i in range(options.clients)]
+    client_ids = [token_ids(vocab, options.client_length, seed=100 + i) for i in range(options.clients)]
     first, last = options.rss_checkpoints
     for mode in ("off", "on"):
         flags = sb.server_flags(graph, threads, batching=(mode == "on")) + device
-        with sb.running_server(str(export_dir), flags) as server:
-            with sb.RssSampler(server.pid) as rss:
+        with running_server(str(export_dir), flags) as server:
+            with RssSampler(server.pid) as rss:
                 idle = rss.now()
                 # Warm-up, and for the batching server the first RSS checkpoint: `first` requests
                 # answered since start (the health check and per-channel connects included).
@@ -260,7 +261,7 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                 load = sb.concurrent_load(server.target, client_ids, total_requests=options.throughput_requests,
                                           deadline_s=options.throughput_deadline_s, server=server, model_threads=threads)
                 served += load["requests"] + len(client_ids)
-                load.update(flags=flags, rss_idle_mb=sb.rss_mb(idle), rss_peak_mb=sb.rss_mb(rss.peak))
+                load.update(flags=flags, rss_idle_mb=mib(idle), rss_peak_mb=mib(rss.peak))
                 result["throughput"][f"batching_{mode}"] = load
                 say(f"throughput batching {mode}: {load['throughput_rps']:.1f} req/s "
                     f"(rows per run {load['rows_per_run'] or 0:.1f}, run {load['mean_inference_ms']:.1f} ms, "
@@ -274,21 +275,21 @@ def bench_server(config: EncoderConfig, export_dir: Path, threads: int, options:
                                                   deadline_s=900.0)
                         served += more["requests"] + len(client_ids)
                     after_last, peak_last = rss.now(), rss.peak
-                    checkpoints = [{"requests": warm["requests"] + len(client_ids), "rss_mb": sb.rss_mb(after_first),
-                                    "peak_mb": sb.rss_mb(peak_first)},
-                                   {"requests": served, "rss_mb": sb.rss_mb(after_last), "peak_mb": sb.rss_mb(peak_last)}]
+                    checkpoints = [{"requests": warm["requests"] + len(client_ids), "rss_mb": mib(after_first),
+                                    "peak_mb": mib(peak_first)},
+                                   {"requests": served, "rss_mb": mib(after_last), "peak_mb": mib(peak_last)}]
                     # Judged on the high-water mark (sampled every 50 ms since start): this server's RSS
                     # swings by ~10 MiB between samples at steady load, so two point samples compare
                     # phases of that swing; a leak raises the high-water mark. Both are kept.
-                    result["memory"] = {"graph": graph, "idle_mb": sb.rss_mb(idle), "checkpoints": checkpoints,
-                                        "peak_sampled_mb": sb.rss_mb(rss.peak),
-                                        "peak_vmhwm_mb": sb.vm_hwm_mb(server.pid),
+                    result["memory"] = {"graph": graph, "idle_mb": mib(idle), "checkpoints": checkpoints,
+                                        "peak_sampled_mb": mib(rss.peak),
+                                        "peak_vmhwm_mb": peak_rss_mib(server.pid),
                                         "growth": (peak_last - peak_first) / peak_first if peak_first else None,
                                         "growth_point_samples": ((after_last - after_first) / after_first
                                                                  if after_first else None)}
-                    say(f"server RSS: idle {sb.rss_mb(idle):.1f} MiB, after {checkpoints[0]['requests']} requests "
-                        f"{sb.rss_mb(after_first):.1f} MiB (peak {sb.rss_mb(peak_first):.1f}), after {served} "
-                        f"{sb.rss_mb(after_last):.1f} MiB (peak {sb.rss_mb(peak_last):.1f})")
+                    say(f"server RSS: idle {mib(idle):.1f} MiB, after {checkpoints[0]['requests']} requests "
+                        f"{mib(after_first):.1f} MiB (peak {mib(peak_first):.1f}), after {served} "
+                        f"{mib(after_last):.1f} MiB (peak {mib(peak_last):.1f})")
     result["mixed_lengths"] = bench_mixed_lengths(config, export_dir, graph, threads, options, say)
     return result
 
@@ -300,13 +301,13 @@ def bench_mixed_lengths(config: EncoderConfig, export_dir: Path, graph: str, thr
     low, high = options.mixed_lengths
     high = min(high, config.max_positions)
     lengths = np.random.default_rng(7).integers(low, high + 1, options.clients)
-    client_ids = [sb.token_ids(config.vocab_size, int(n), seed=200 + i) for i, n in enumerate(lengths)]
+    client_ids = [token_ids(config.vocab_size, int(n), seed=200 + i) for i, n in enumerate(lengths)]
     requests = max(len(client_ids), options.throughput_requests // 3)
     result: dict = {"lengths": [int(n) for n in lengths]}
     for mode in ("split", "one_run"):
         flags = sb.server_flags(graph, threads, batching=True, length_split=(mode == "split")) + ["--device",
                                                                                                   options.device]
-        with sb.running_server(str(export_dir), flags) as server:
+        with running_server(str(export_dir), flags) as server:
             sb.concurrent_load(server.target, client_ids, total_requests=2 * len(client_ids), deadline_s=600.0)
             load = sb.concurrent_load(server.target, client_ids, total_requests=requests,
                                       deadline_s=options.throughput_deadline_s, server=server, model_threads=threads)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import verdicts
+from bench.harness import peak_rss_mib, verdicts
 
 LENGTHS = (1024, 4096, 16384, 32768)
 QUICK_LENGTHS = (256, 1024)
@@ -38,15 +37,12 @@ CASES = (
 ENGINES = ("served", "dense", "torch", "torch-sdpa")
 # Fraction of this machine's memory a measurement may be estimated to take before it is skipped.
 MEMORY_SHARE = 0.7
+# The long paths the issue's growth and memory targets name: (key, case label).
+LONG_PATHS = (("window128", "window 128"), ("causal_window128", "causal window 128"), ("linear", "linear"),
+              ("performer", "performer"))
 TARGETS = (
-    ("growth_window128", "window 128: time(32k) / time(4k)", 9.0, False),
-    ("growth_causal_window128", "causal window 128: time(32k) / time(4k)", 9.0, False),
-    ("growth_linear", "linear: time(32k) / time(4k)", 9.0, False),
-    ("growth_performer", "performer: time(32k) / time(4k)", 9.0, False),
-    ("rss_window128@32k", "window 128: peak RSS at T=32768 (GiB)", 2.0, False),
-    ("rss_causal_window128@32k", "causal window 128: peak RSS at T=32768 (GiB)", 2.0, False),
-    ("rss_linear@32k", "linear: peak RSS at T=32768 (GiB)", 2.0, False),
-    ("rss_performer@32k", "performer: peak RSS at T=32768 (GiB)", 2.0, False),
+    *((f"growth_{key}", f"{case}: time(32k) / time(4k)", 9.0, False) for key, case in LONG_PATHS),
+    *((f"rss_{key}@32k", f"{case}: peak RSS at T=32768 (GiB)", 2.0, False) for key, case in LONG_PATHS),
     ("window128_vs_dense@8k", "window 128 at T=8192: dense graph time / sparse graph time", 4.0, True),
     ("window128_vs_sdpa@8k", "window 128 at T=8192: PyTorch masked SDPA time / sparse graph time", 3.0, True),
     ("dilated8_vs_dense@8k", "dilated 8 at T=8192: dense graph time / sparse graph time", 3.0, True),
@@ -84,7 +80,7 @@ def run_long(out: str, *, quick: bool = False, threads: int = 0, repeats: int = 
              lengths: tuple = (), engines: tuple = (), say=print) -> dict:
     """Exports (or reuses) the three models with their long graphs, measures every case, returns the report.
     `lengths` and `engines` (default: all) narrow a run to fit a time budget (a lent GPU's, say)."""
-    from bench.run import BenchOptions, ensure_export, machine_info, physical_cores
+    from bench.model_and_server import BenchOptions, ensure_export, machine_info, physical_cores
     from model.attention_paths import DENSE, cheapest, RowMask
     from model.config import to_dict
     from model.export_format import read_metadata
@@ -149,8 +145,8 @@ def _measure(label: str, engine: str, length: int, path: str, job: dict) -> Meas
     from serve.__main__ import HUGE_PAGES  # measured as the server runs: malloc on huge pages
 
     env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))}
-    proc = subprocess.run([sys.executable, "-m", "bench.long_bench", json.dumps(job)], capture_output=True,
-                          text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-m", "bench.long_input_attention", json.dumps(job)],
+                          capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed"])[-1][:160]
         return Measurement(label, engine, length, path, None, None, f"failed: {tail}")
@@ -189,14 +185,8 @@ def judge(results: list[Measurement], grown: dict) -> list[dict]:
         return r.peak_rss_mib / 1024 if r and r.peak_rss_mib else None
 
     values = {
-        "growth_window128": grown.get("window 128", {}).get("ratio_32k_4k"),
-        "growth_causal_window128": grown.get("causal window 128", {}).get("ratio_32k_4k"),
-        "growth_linear": grown.get("linear", {}).get("ratio_32k_4k"),
-        "growth_performer": grown.get("performer", {}).get("ratio_32k_4k"),
-        "rss_window128@32k": rss("window 128"),
-        "rss_causal_window128@32k": rss("causal window 128"),
-        "rss_linear@32k": rss("linear"),
-        "rss_performer@32k": rss("performer"),
+        **{f"growth_{key}": grown.get(case, {}).get("ratio_32k_4k") for key, case in LONG_PATHS},
+        **{f"rss_{key}@32k": rss(case) for key, case in LONG_PATHS},
         "window128_vs_dense@8k": ratio("window 128", "dense", "served"),
         "window128_vs_sdpa@8k": ratio("window 128", "torch-sdpa", "served"),
         "dilated8_vs_dense@8k": ratio("dilated 8", "dense", "served"),
@@ -297,15 +287,7 @@ def _one(job: dict) -> dict:
         started = time.perf_counter()
         run()
         times.append(time.perf_counter() - started)
-    return {"median_ms": statistics.median(times) * 1e3, "peak_rss_mib": _peak_rss_mib(), "pid": os.getpid()}
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS (VmHWM: reset by exec, unlike ru_maxrss, which a child inherits)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"median_ms": statistics.median(times) * 1e3, "peak_rss_mib": peak_rss_mib(), "pid": os.getpid()}
 
 
 if __name__ == "__main__":
