@@ -14,8 +14,10 @@ The torch reference modules (import them directly): model.encoder (embeddings, r
 layers, stack), model.attention (the attention layer and its paths), model.attention_math (the masked
 arithmetic it shares with model.long_attention, the long-input custom ops), model.masks, model.pooling,
 model.heads (task heads: classification, SPLADE), model.checkpoint (strict loading), model.hf_pretrained
-(Hugging Face directories: the shared loader and its registry of families, one module each: model.hf_bert,
-model.hf_roberta (+ XLM-RoBERTa), model.hf_modernbert, described by model.hf_family), model.hf_heads
-(their task heads) and model.hf_dense (sentence-transformers Dense modules after the Pooling).
+(Hugging Face directories: the shared loader and its registry of families, one module each with its task
+heads: model.hf_bert, model.hf_roberta (+ XLM-RoBERTa), model.hf_modernbert, model.hf_mpnet, model.hf_qwen
+(Qwen2, Qwen3), model.hf_gemma3, described by model.hf_family), model.hf_heads (what loading a head shares),
+model.relative_positions (MPNet's bucketed bias) and model.hf_dense (sentence-transformers Dense modules after
+the Pooling).
 
 Imports point one way, torch half -> contract half, with no circle (tests/test_model_halves.py)."""

@@ -67,7 +67,7 @@ class ExportDir:
 
     @property
     def task(self) -> str:
-        """What the model does (metadata.json "task" kind, serve/core/tasks.py): embed, rerank, classify, sparse."""
+        """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse."""
         return str(self.metadata.task.get("kind", "embed"))
 
     @property

@@ -87,7 +87,7 @@ def request_outputs(request, hidden: np.ndarray, row_outputs: np.ndarray, length
                     dense: tuple[Dense, ...] = ()) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """A request's (hidden states, embeddings, scores) from its rows' hidden [n, T, D] (zeros past each
     row's length) and the graph's per-row output [n, K]: the mean [n, D] of a model without a head,
-    else its head's output (serve/core/tasks.py), which a request with `scores` is answered as is.
+    else its head's output (serve/core/tasks/), which a request with `scores` is answered as is.
     What it asked for, nothing else. Embeddings are the mean or the first token, through the model's
     projection `dense` (each chunk window's alone), then L2-normalised when asked (a chunked text: after
     pooling, in `pool_chunks`); "last" reads each row's position lengths[i] - 1 (a row with no token pools

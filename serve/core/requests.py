@@ -101,7 +101,7 @@ class EncodeResult:
     truncated: tuple[bool, ...] = ()  # texts only: which were cut to the tokenizer's max_length
     attention_paths: tuple[str, ...] = ()  # the attention path each sequence ran on (model/attention_paths.py)
     chunks: tuple[int, ...] = ()  # texts only, with chunk: windows each text was encoded in
-    # a model with a head (serve/core/tasks.py): its raw output per sequence, float32 [B, labels] logits
+    # a model with a head (serve/core/tasks/): its raw output per sequence, float32 [B, labels] logits
     # or [B, vocab] sparse weights
     scores: np.ndarray | None = None
 

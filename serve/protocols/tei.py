@@ -8,7 +8,7 @@ and ranker, LangChain's HuggingFaceEndpointEmbeddings):
   POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name}    -> [[{index, value}]]
   POST /rerank        {query, texts, raw_scores, return_text, truncate, truncation_direction}
                                                       -> [{index, score, text?}], highest score first
-                      (a body with `documents` instead of `texts` is infinity's /rerank: serve/protocols/rerank_api.py)
+                      (a body with `documents` instead of `texts` is infinity's /rerank: serve/protocols/infinity.py)
   POST /predict       {inputs: str | [str, str] | [[str] | [str, str], ...], raw_scores, truncate,
                        truncation_direction}           -> [{label, score}] (one input) or [[{label, score}]]
   POST /tokenize      {inputs: str | [str], add_special_tokens=true, prompt_name}

@@ -7,8 +7,10 @@ a handful of paths, so a web framework would add a layer per request and nothing
 
 Each request becomes an `Rpc` (serve/transport/rpc.py) that the same adapters and core answer as on
 gRPC: the bearer token (`TokenCheck`, health exempt), admission and drain (503 + Retry-After),
-validation, batching, metrics. Errors become HTTP statuses through serve/errors.py's one table, with
-OpenAI's error object as the body. The body limit is max_request_bytes: a larger Content-Length is
+validation, batching, metrics. Which route a method and path are, and which error body a refusal takes, is
+the protocols' router's (serve/protocols/routing.py over the one route table, serve/protocols/routes.py): this
+transport knows no path. Errors become HTTP statuses through serve/protocols/status.py's one mapping, in the
+body of the family the path belongs to. The body limit is max_request_bytes: a larger Content-Length is
 refused 413 before the body is read, and a body that grows past it while read is cut off with 413.
 
 Refusals reach the client: a request refused before its body was read (401, 404, 405, 413) has the
