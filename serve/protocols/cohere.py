@@ -42,27 +42,34 @@ def rerank_task(body: dict, *, objects: bool, truncate: bool = True) -> rerank.R
         max_tokens_per_doc=fields.integer(body, "max_tokens_per_doc", None, "a positive integer"))
 
 
-def rerank_(api: Api, rpc, call: HttpCall) -> None:
-    """A query against documents, highest score first (Cohere's and Jina's shape)."""
-    body = call.body
+def start_rerank(api: Api, rpc, call: HttpCall, method: str, answer, *, objects: bool,
+                 route: str | None = None) -> None:
+    """A rerank in the shape Cohere, Jina and infinity share: `answer(engine, ranking, documents, return_documents)`
+    renders the vendor's answer."""
     asked = {}
 
     def submit(engine):
-        asked["task"] = task = rerank_task(body, objects=True)
-        asked["return_documents"] = fields.flag(body, "return_documents")
+        asked["task"] = task = rerank_task(call.body, objects=objects)
+        asked["return_documents"] = fields.flag(call.body, "return_documents")
         return rerank.submit(engine, task, rpc.deadline)
 
-    def render(engine, result, _) -> bytes:
-        documents = asked["task"].documents
+    start_task(api, method, rpc, call.model, "rerank", call.verbs, submit,
+               lambda engine, result, _: answer(engine, result, asked["task"].documents, asked["return_documents"]),
+               route)
+
+
+def rerank_(api: Api, rpc, call: HttpCall) -> None:
+    """A query against documents, highest score first (Cohere's and Jina's shape)."""
+    def answer(engine, result, documents, return_documents: bool) -> bytes:
         results = [{"index": i, "relevance_score": float(result.scores[i]),
-                    **({"document": {"text": documents[i]}} if asked["return_documents"] else {})}
+                    **({"document": {"text": documents[i]}} if return_documents else {})}
                    for i in result.order.tolist()]
         return orjson.dumps({"id": str(uuid.uuid4()), "results": results, "model": engine.name,
                              "usage": {"total_tokens": int(sum(result.run.token_counts))},
                              "meta": {"api_version": {"version": "2" if rpc.method.startswith("POST /v2") else "1"},
                                       "billed_units": {"search_units": 1}}})
 
-    start_task(api, "cohere.Rerank", rpc, call.model, "rerank", call.verbs, submit, render)
+    start_rerank(api, rpc, call, "cohere.Rerank", answer, objects=True)
 
 
 FAMILY = Family("cohere", error_body, (

@@ -20,10 +20,10 @@ import uuid
 
 import orjson
 
-from serve.core.tasks import classify, rerank
+from serve.core.tasks import classify
 from serve.core.tasks.inputs import TextOptions
 from serve.protocols import fields, openai
-from serve.protocols.cohere import rerank_task
+from serve.protocols.cohere import start_rerank
 from serve.protocols.edge import Api, start_task
 from serve.protocols.routing import Family, HttpCall, Route
 
@@ -35,21 +35,12 @@ def _answer(kind: str, engine, tokens: int, **body) -> bytes:
 
 def rerank_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
     """A query against documents, highest score first (infinity's shape)."""
-    body = call.body
-    asked = {}
-
-    def submit(engine):
-        asked["task"] = task = rerank_task(body, objects=False)
-        asked["return_documents"] = fields.flag(body, "return_documents")
-        return rerank.submit(engine, task, rpc.deadline)
-
-    def render(engine, result, _) -> bytes:
-        documents = asked["task"].documents
+    def answer(engine, result, documents, return_documents: bool) -> bytes:
         results = [{"relevance_score": float(result.scores[i]), "index": i,
-                    "document": documents[i] if asked["return_documents"] else None} for i in result.order.tolist()]
+                    "document": documents[i] if return_documents else None} for i in result.order.tolist()]
         return _answer("rerank", engine, int(sum(result.run.token_counts)), results=results)
 
-    start_task(api, "infinity.Rerank", rpc, call.model, "rerank", call.verbs, submit, render, route)
+    start_rerank(api, rpc, call, "infinity.Rerank", answer, objects=False, route=route)
 
 
 def classify_(api: Api, rpc, call: HttpCall) -> None:
