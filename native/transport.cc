@@ -10,8 +10,10 @@
 //                      None), (MESSAGE, id, bytes) and (HALF_CLOSE, id) for streaming methods, (CANCEL, id)
 //                      when the client or its deadline ended a call Python had not finished.
 //   write(id, bytes)              a response message of a streaming call (sent in order)
-//   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer)
-//   finish_many([(id, code, text, bytes), ...])  the same for a batch's answers, the GIL released once
+//   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer): handed to
+//                                the writer thread, which sends it (gRPC's write path runs off the Python thread)
+//   finish_many([(id, code, text, bytes), ...])  the same for a batch's answers: handed to the writer thread,
+//                                which sends them (gRPC's write path runs off the Python thread)
 //   wake()                        makes a waiting next() return (Python has answers to hand back)
 //
 // A unary call is one START event with its request (None if the client sent none). A cancelled call is
@@ -30,6 +32,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -68,6 +71,13 @@ grpc::ByteBuffer buffer_of(std::string&& bytes) {
 }
 
 class Transport;
+
+struct Answer {  // a call's status and its last message (a unary answer), from Python
+  int64_t id;
+  int code;
+  std::string message;
+  std::optional<std::string> payload;
+};
 
 // One call. Python-side operations (write / finish) and gRPC's reactions share `mu_` (recursive: a
 // reaction may run inline inside a Start* call made under it). Owned by the transport's map (a
@@ -181,6 +191,7 @@ class Transport {
       server_ = builder.BuildAndStart();
     }
     if (!server_ || port == 0) throw std::runtime_error("cannot listen on " + address);
+    writer_ = std::thread([this] { write_loop(); });
     return port;
   }
 
@@ -226,14 +237,10 @@ class Transport {
     ready_.notify_one();
   }
 
-  // finish() for each (id, code, text, bytes | None), with the GIL released once.
+  // finish() for each (id, code, text, bytes | None): converted here (the GIL held), sent by the writer thread,
+  // so the Python thread that hands them over goes back to its requests at once instead of running gRPC's
+  // write path for each.
   void finish_many(const py::list& answers) {
-    struct Answer {
-      int64_t id;
-      int code;
-      std::string message;
-      std::optional<std::string> payload;
-    };
     std::vector<Answer> all;
     all.reserve(answers.size());
     for (const auto& item : answers) {
@@ -242,12 +249,11 @@ class Transport {
       if (!t[3].is_none()) a.payload = t[3].cast<std::string>();
       all.push_back(std::move(a));
     }
-    py::gil_scoped_release unlocked;
-    for (auto& a : all) {
-      if (auto r = find(a.id)) {
-        r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
-      }
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      for (auto& a : all) finishes_.push_back(std::move(a));
     }
+    write_ready_.notify_one();
   }
 
   void write(int64_t id, py::bytes payload) {
@@ -256,11 +262,15 @@ class Transport {
     if (auto r = find(id)) r->Write(std::move(bytes));
   }
 
+  // One call's status and last message, handed to the writer thread (the caller goes on at once).
   void finish(int64_t id, int code, const std::string& message, py::object payload) {
-    std::optional<std::string> last;
-    if (!payload.is_none()) last = payload.cast<std::string>();
-    py::gil_scoped_release unlocked;
-    if (auto r = find(id)) r->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message), std::move(last));
+    Answer a{id, code, message, std::nullopt};
+    if (!payload.is_none()) a.payload = payload.cast<std::string>();
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      finishes_.push_back(std::move(a));
+    }
+    write_ready_.notify_one();
   }
 
   // Stops listening; calls still open after `grace` s are cancelled by gRPC.
@@ -273,8 +283,14 @@ class Transport {
       server = std::move(server_);
     }
     ready_.notify_all();
+    py::gil_scoped_release unlocked;
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      writing_stopped_ = true;  // the writer sends what it holds, then ends
+    }
+    write_ready_.notify_all();
+    if (writer_.joinable()) writer_.join();
     if (server) {
-      py::gil_scoped_release unlocked;
       server->Shutdown(std::chrono::system_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, grace) * 1e6)));
       server->Wait();
@@ -314,6 +330,25 @@ class Transport {
   }
 
  private:
+  // The writer thread: each answer Python handed over, sent in the order given.
+  void write_loop() {
+    std::deque<Answer> taken;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(write_mu_);
+        write_ready_.wait(lock, [&] { return !finishes_.empty() || writing_stopped_; });
+        if (finishes_.empty() && writing_stopped_) return;
+        taken.swap(finishes_);
+      }
+      for (auto& a : taken) {
+        if (auto r = find(a.id)) {
+          r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
+        }
+      }
+      taken.clear();
+    }
+  }
+
   // The call's reactor (a reference that keeps it alive), or null once gRPC is done with it.
   std::shared_ptr<Reactor> find(int64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -331,6 +366,11 @@ class Transport {
   int64_t next_id_ = 0;
   bool stopped_ = false;
   bool woken_ = false;
+  std::thread writer_;
+  std::mutex write_mu_;
+  std::condition_variable write_ready_;
+  std::deque<Answer> finishes_;
+  bool writing_stopped_ = false;
 };
 
 grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* ctx) {

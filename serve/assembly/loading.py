@@ -40,7 +40,7 @@ BackendFactory = Callable[[ExportDir, ServerConfig], Backend]
 def default_backend(export: ExportDir, config: ServerConfig) -> Backend:
     backend = OnnxRuntimeBackend(export, device=config.device, cuda_device_id=config.cuda_device_id,
                                  intra_op_threads=config.intra_op_threads, cuda_tf32=config.cuda_tf32,
-                                 instances=config.instances)
+                                 instances=config.instances, intra_op_spin=config.intra_op_spin)
     if config.fault_inject:  # tests only (serve/backend/faults.py); logs event=fault_injection_enabled
         from serve.backend.faults import FaultInjectingBackend
 

@@ -6,6 +6,7 @@ Refuses what it cannot serve with a message that says what to do, as an `ExportE
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ class ExportDir:
     def config(self) -> EncoderConfig:
         return self.metadata.config
 
-    @property
+    @functools.cached_property
     def paths(self) -> tuple[str, ...]:
         """The attention paths this export serves: dense, then its long-input path if it has one."""
         return (DENSE, *(path for path, _ in self.long_graphs))
@@ -55,33 +56,33 @@ class ExportDir:
     def opset(self) -> int:
         return self.metadata.opset
 
-    @property
+    @functools.cached_property
     def has_tokenizer(self) -> bool:
         return self.metadata.tokenizer is not None
 
-    @property
+    @functools.cached_property  # read per request: the metadata never changes
     def default_pooling(self) -> str:
         """none | mean | first | last; metadata.json says "cls" for [CLS] pooling (model.hf_pretrained.pooling_settings)."""
         mode = str(self.metadata.pooling.get("mode", "mean"))
         return "first" if mode == "cls" else mode
 
-    @property
+    @functools.cached_property
     def task(self) -> str:
         """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse."""
         return str(self.metadata.task.get("kind", "embed"))
 
-    @property
+    @functools.cached_property
     def row_output(self) -> str:
         """The graph output the server reads per row beside the hidden states: the head's (metadata.json
         "task" output), else the mean-pooled embedding."""
         return str(self.metadata.task.get("output") or "mean_pooled")
 
-    @property
+    @functools.cached_property
     def embedding_width(self) -> int:
         """The width of a pooled embedding as clients get it: the projection's output, else d_model."""
         return self.metadata.embedding_width
 
-    @property
+    @functools.cached_property
     def default_normalize(self) -> bool:
         return bool(self.metadata.pooling.get("normalize", False))
 

@@ -11,7 +11,6 @@ The batcher calls `pad_batch` for every session.run, the backend for warm-up and
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,9 @@ from model.attention_paths import DENSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 
-ONES_CACHE = 8  # all-true custom masks kept per (rows, length) shape: read-only, fed as is
+# read-only constant arrays kept (all-true custom masks, all-ones attention masks, mask choices) per shape: at
+# most this many bytes in all (a [32, 512, 512] custom mask is 8 MiB)
+CONSTANTS_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,39 +40,62 @@ class Rows:
     attention_bytes: int = 0  # their attention's estimated memory (serve/core/attention_budget.py)
     types: np.ndarray | None = None  # int64 [n, T] token type ids (sentence pairs); None: zeros
     row_elements: int = 0  # CUDA: elements of the largest attention tensor one row holds at `longest`; 0: unbounded
+    longest: int = 0  # the longest row's length (0: computed from `lengths`)
+    tokens: int = 0  # the rows' tokens in all (0: computed from `lengths`)
+
+    def __post_init__(self) -> None:  # what its maker did not already know, from the lengths
+        if not self.longest:
+            object.__setattr__(self, "longest", int(self.lengths.max()) if len(self.lengths) else 0)
+        if not self.tokens:
+            object.__setattr__(self, "tokens", int(self.lengths.sum()))
 
     def __len__(self) -> int:
         return int(self.block.shape[0])
 
-    @functools.cached_property
-    def longest(self) -> int:
-        return int(self.lengths.max())
+    @property
+    def full(self) -> bool:
+        """Every row is `longest` long (no padding inside the block)."""
+        return self.tokens == len(self) * self.longest
 
     def by_path(self) -> tuple[tuple[str, np.ndarray], ...]:
         return self.paths or ((DENSE, np.arange(len(self))),)
 
 
-_ones: dict[tuple[int, int], np.ndarray] = {}
+_cache: dict[tuple, np.ndarray] = {}
+_cached_bytes = [0]
 
 
-def _all_allowed(rows: int, length: int) -> np.ndarray:
-    """A read-only all-true [rows, length, length] custom mask (no row of the run has its own)."""
-    key = (rows, length)
-    ones = _ones.get(key)
-    if ones is None:
-        if len(_ones) >= ONES_CACHE:
-            _ones.clear()
-        ones = np.ones((rows, length, length), bool)
-        ones.flags.writeable = False
-        _ones[key] = ones
-    return ones
+def constant(shape: tuple[int, ...], value, dtype) -> np.ndarray:
+    """A read-only array of one value (an all-true custom mask, all-ones attention mask, a run's shared mask
+    choice, the lengths of a block's rows), kept for the shapes runs reuse: fed as is, never written."""
+    key = (shape, value, np.dtype(dtype).str)
+    array = _cache.get(key)
+    if array is None:
+        array = np.full(shape, value, dtype)
+        array.flags.writeable = False
+        if _cached_bytes[0] + array.nbytes > CONSTANTS_BYTES:
+            _cache.clear()
+            _cached_bytes[0] = 0
+        if array.nbytes <= CONSTANTS_BYTES:
+            _cache[key] = array
+            _cached_bytes[0] += array.nbytes
+    return array
 
 
 def _per_row(values: list, counts: list[int], dtype) -> np.ndarray:
     """Each piece's one value, once per row of the piece."""
-    if len(values) == 1:
-        return np.full(counts[0], values[0], dtype)
+    if len(values) == 1 or all(v == values[0] for v in values):
+        return constant((sum(counts),), values[0], dtype)
     return np.repeat(np.array(values, dtype), counts)
+
+
+def run_lengths(pieces: list[tuple[Rows, np.ndarray | None]]) -> tuple[np.ndarray, int]:
+    """Each row's length in a run of `pieces` (as pad_batch lays them out), and their tokens in all."""
+    if all(index is None for _, index in pieces):
+        lengths = pieces[0][0].lengths if len(pieces) == 1 else np.concatenate([rows.lengths for rows, _ in pieces])
+        return lengths, sum(rows.tokens for rows, _ in pieces)
+    lengths = np.concatenate([rows.lengths if index is None else rows.lengths[index] for rows, index in pieces])
+    return lengths, int(lengths.sum())
 
 
 def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config: EncoderConfig,
@@ -99,9 +123,11 @@ def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config:
             lengths[at:at + count] = rows.lengths if index is None else rows.lengths[index]
             at += count
     n = len(lengths)
+    full = all(index is None and rows.full and rows.longest == length for rows, index in pieces)
     feeds = {
         "input_ids" if config.input_kind == "tokens" else "inputs_embeds": first,
-        "attention_mask": (np.arange(length) < lengths[:, None]).astype(np.int64),
+        "attention_mask": constant((n, length), 1, np.int64) if full else
+        (np.arange(length) < lengths[:, None]).astype(np.int64),
         "mask_kind": _per_row([rows.kind for rows, _ in pieces], counts, np.int64),
         "mask_causal": _per_row([rows.causal for rows, _ in pieces], counts, bool),
         "mask_window": _per_row([rows.window for rows, _ in pieces], counts, np.int64),
@@ -109,7 +135,7 @@ def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config:
     }
     if path == DENSE:
         if all(rows.custom is None for rows, _ in pieces):
-            feeds["custom_mask"] = _all_allowed(n, length)
+            feeds["custom_mask"] = constant((n, length, length), True, bool)
         else:
             custom = np.ones((n, length, length), bool)
             at = 0

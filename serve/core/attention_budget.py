@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from model.attention_paths import MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes, score_elements
+from model.attention_paths import DENSE, MAX_SEQUENCE, RowMask, attention_bytes, cheapest, computes, score_elements
 from model.config import EncoderConfig
 from model.host_memory import memory_limit as available_memory  # the one reading of the cgroup
 from model.mask_kinds import MaskKind
@@ -88,23 +88,25 @@ class AttentionBudget:
 
     def plan(self, lengths: np.ndarray, mask: RowMask) -> tuple[int, tuple[tuple[str, np.ndarray], ...]]:
         """The estimated attention bytes of rows of `lengths` under `mask`, and the rows grouped by
-        the path each runs on (Rows.paths): asked once per distinct length."""
+        the path each runs on (Rows.paths; () when every row runs dense): asked once per distinct length."""
         first = int(lengths[0])
         if len(lengths) == 1 or (lengths == first).all():
             path, size = self._row(first, mask)
-            return size * len(lengths), ((path, np.arange(len(lengths))),)
+            return size * len(lengths), (() if path == DENSE else ((path, np.arange(len(lengths))),))
         distinct, where = np.unique(lengths, return_inverse=True)
         found = [self._row(int(length), mask) for length in distinct]
         total = int(sum(size * count for (_, size), count in zip(found, np.bincount(where))))
         by_path: dict[str, list[int]] = {}
         for k, (path, _) in enumerate(found):
             by_path.setdefault(path, []).append(k)
+        if list(by_path) == [DENSE]:
+            return total, ()
         return total, tuple((path, np.flatnonzero(np.isin(where, ks))) for path, ks in by_path.items())
 
     def check(self, lengths: np.ndarray, mask: RowMask) -> tuple[int, tuple[tuple[str, np.ndarray], ...]]:
         """`plan(lengths, mask)`; TooLarge (RESOURCE_EXHAUSTED) when the request is over the budget."""
         total, paths = self.plan(lengths, mask)
-        length, n = int(lengths.max()), len(lengths)
+        length, n = int(lengths[0]) if len(lengths) == 1 else int(lengths.max()), len(lengths)
         if total <= self.max_bytes:
             elements = n * self.row_elements(length, mask)  # the request's rows run as one block of `length`
             if self.max_elements and elements > self.max_elements:

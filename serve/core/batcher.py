@@ -43,10 +43,11 @@ SCAN_S = 0.005  # a full queue is searched for cancelled and expired tickets at 
 
 
 class Ticket:
-    """A submitted request: `wait()` returns its EncodeResult or raises its ServeError."""
+    """A submitted request: `wait()` returns its EncodeResult or raises its ServeError; `add_done_callback`
+    runs a callback once it is finished (the started calls' way: no thread waits)."""
 
-    __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_done",
-                 "_result", "_error", "_callbacks")
+    __slots__ = ("request", "rows", "length", "attention_bytes", "enqueued", "deadline", "cancelled", "_finished",
+                 "_event", "_result", "_error", "_callbacks")
 
     def __init__(self, request: Work, rows: Rows, deadline: float | None) -> None:
         self.request = request
@@ -56,7 +57,8 @@ class Ticket:
         self.enqueued = time.monotonic()
         self.deadline = deadline  # time.monotonic() value, or None
         self.cancelled = False
-        self._done = threading.Event()
+        self._finished = False
+        self._event: threading.Event | None = None  # made by the first `wait`: most tickets are never waited on
         self._result: EncodeResult | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Ticket"], None]] = []
@@ -65,10 +67,14 @@ class Ticket:
         self.cancelled = True
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: float | None = None) -> EncodeResult:
-        if not self._done.wait(timeout):
+        with _FINISH:
+            event = None
+            if not self._finished:
+                event = self._event = self._event or threading.Event()
+        if event is not None and not event.wait(timeout):
             raise DeadlineExceeded("deadline exceeded while waiting for the batch")
         return self.outcome()
 
@@ -82,7 +88,7 @@ class Ticket:
     def add_done_callback(self, callback: Callable[["Ticket"], None]) -> None:
         """Calls `callback(ticket)` once it is finished (at once if it is), on the finishing thread."""
         with _FINISH:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -90,11 +96,14 @@ class Ticket:
     def _finish(self, result: EncodeResult | None = None, error: BaseException | None = None) -> bool:
         """Sets the outcome unless one was set already; True when this call set it."""
         with _FINISH:
-            if self._done.is_set():
+            if self._finished:
                 return False
             self._result, self._error = result, error
-            self._done.set()
+            self._finished = True
             callbacks, self._callbacks = self._callbacks, []
+            event = self._event
+        if event is not None:
+            event.set()
         for callback in callbacks:
             try:
                 callback(self)

@@ -40,8 +40,9 @@ class Metrics:
                                   "(--memory-budget-mb)", ["model"], registry=r)
         self.model_ready = Gauge("encoder_model_ready", "1 while the model serves", ["model"], registry=r)
         self._http = None
-        self._children: dict[tuple[str, str], tuple] = {}
-        self._depths: dict[str, int] = {}  # queued requests per model (`observer`)  # (method, code) -> its labelled children
+        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled children
+        self._depths: dict[str, int] = {}  # queued requests per model (`observer`), read at scrape time
+        self.queue_depth.set_function(lambda: sum(self._depths.values()))
 
     def finished(self, method: str, code: str, seconds: float) -> None:
         """One request of `method` ended with status `code` after `seconds` (the labelled children are
@@ -53,12 +54,10 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def observe_batcher(self, *, queue_depth: int | None = None, batch_size: int | None = None,
+    def observe_batcher(self, *, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,
                         padding_tokens: int | None = None, path: str | None = None,
-                        queue_s: float | None = None, run_cpu_s: float | None = None) -> None:
-        if queue_depth is not None:
-            self.queue_depth.set(queue_depth)
+                        queue_s: list[float] | None = None, run_cpu_s: float | None = None) -> None:
         if batch_size is not None:
             self.batch_size.observe(batch_size)
         if batch_tokens is not None:
@@ -69,22 +68,24 @@ class Metrics:
             self.padding_tokens.inc(padding_tokens)
         if path is not None and batch_size is not None:
             self.path_rows.labels(path=path).inc(batch_size)
-        if queue_s is not None:
-            self.queue_seconds.observe(queue_s)
+        if queue_s is not None:  # one value per request the run answered
+            for seconds in queue_s:
+                self.queue_seconds.observe(seconds)
         if run_cpu_s is not None:
             self.session_run_cpu.inc(run_cpu_s)
 
     def observer(self, model: str):
-        """The batcher's observe callback for `model`: the server totals and the model's own series."""
-        depth, rows = self.model_queue_depth.labels(model), self.model_rows.labels(model)
+        """The batcher's observe callback for `model`: the server totals and the model's own series. Queue
+        depths are only noted here (every submit reports one) and read when /metrics is scraped."""
+        depths, rows = self._depths, self.model_rows.labels(model)
+        self.model_queue_depth.labels(model).set_function(lambda: depths.get(model, 0))
 
-        def observe(**values) -> None:
-            queued = values.pop("queue_depth", None)
+        def observe(queue_depth: int | None = None, **values) -> None:
+            if queue_depth is not None:
+                depths[model] = queue_depth
+                if not values:
+                    return
             self.observe_batcher(**values)
-            if queued is not None:  # the server's gauge holds every model's queue
-                depth.set(queued)
-                self._depths[model] = queued
-                self.queue_depth.set(sum(self._depths.values()))
             if values.get("batch_size") is not None and values.get("inference_s") is not None:
                 rows.inc(values["batch_size"])
 

@@ -6,8 +6,6 @@ once and gives its rows in batch form. No gRPC, no protobuf, no protocol's field
 
 from __future__ import annotations
 
-import dataclasses
-
 import functools
 from dataclasses import dataclass
 
@@ -16,7 +14,7 @@ import numpy as np
 from model.config import EncoderConfig
 from model.attention_paths import RowMask
 from model.mask_kinds import MaskKind
-from serve.backend.feeds import Rows
+from serve.backend.feeds import Rows, constant
 from serve.errors import ValidationError, quote
 
 
@@ -149,7 +147,9 @@ def to_rows(request: Work, config: EncoderConfig, limits: Limits, budget=None) -
         block, lengths = _pad(
             [_check_sequence(i, s, config, max_len) for i, s in enumerate(request.sequences)], config)
     _check_values(block, lengths, config)
-    longest = int(lengths.max())
+    # a block whose rows are all as wide as it (the common case) needs no reduction to know these
+    longest, tokens = (block.shape[1], n * block.shape[1]) if request.lengths is None and \
+        isinstance(request.sequences, np.ndarray) else (int(lengths.max()), int(lengths.sum()))
     padded = n * longest
     if limits.max_request_tokens and padded > limits.max_request_tokens:
         raise ValidationError(
@@ -157,16 +157,22 @@ def to_rows(request: Work, config: EncoderConfig, limits: Limits, budget=None) -
             f"over max_request_tokens={limits.max_request_tokens}; split the request"
         )
     mask = request.mask
-    if mask.kind is None:  # the request chose none: the model's natural mask (config.natural_mask)
-        mask = dataclasses.replace(mask, kind=MaskKind.parse(config.natural_mask))
-    custom = _check_mask(mask, lengths, max_len)
+    # the request chose none: the model's natural mask (config.natural_mask)
+    kind = _natural(config.natural_mask) if mask.kind is None else mask.kind
+    custom = _check_mask(kind, mask, lengths, max_len)
     step = int(mask.step) if mask.step else 1
-    row_mask = RowMask(MaskKind(mask.kind), int(mask.window), step)
+    row_mask = RowMask(kind, int(mask.window), step)
     attention_bytes, paths = (0, ()) if budget is None else budget.check(lengths, row_mask)
     row_elements = 0 if budget is None else budget.row_elements(longest, row_mask)
     types = _pad_types(request.types, block.shape[1]) if len(request.types) else None
-    return Rows(block, lengths, int(mask.kind), bool(mask.causal), int(mask.window), step, custom, paths,
-                attention_bytes=attention_bytes, types=types, row_elements=row_elements)
+    return Rows(block, lengths, int(kind), bool(mask.causal), int(mask.window), step, custom, paths,
+                attention_bytes=attention_bytes, types=types, row_elements=row_elements, longest=longest,
+                tokens=tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _natural(label: str) -> MaskKind:
+    return MaskKind.parse(label)
 
 
 def _pad_types(types: tuple[np.ndarray, ...], width: int) -> np.ndarray:
@@ -187,12 +193,14 @@ def _check_block(block: np.ndarray, lengths: np.ndarray | None, config: EncoderC
             not tokens and (block.dtype != np.float32 or block.shape[2] != config.d_model)):
         _check_sequence(0, block[0], config, max_len)  # names the first row's dtype or shape
     n, width = block.shape[:2]
-    if lengths is None:
-        lengths = np.full(n, width, np.int64)
+    block = block.astype(np.int64, copy=False) if tokens else block
+    if lengths is None:  # every row is `width` long: one check of it
+        if not 0 < width <= max_len:
+            _check_sequence(0, block[0], config, max_len)
+        return block, constant((n,), width, np.int64)
     lengths = np.asarray(lengths, np.int64)
     for i in np.flatnonzero((lengths == 0) | (lengths > max_len))[:1]:
         _check_sequence(int(i), block[i, : lengths[i]], config, max_len)
-    block = block.astype(np.int64, copy=False) if tokens else block
     if int(lengths.min()) < width:
         past = np.arange(width) >= lengths[:, None]
         block = np.where(past if tokens else past[:, :, None], config.pad_token_id if tokens else 0, block)
@@ -236,7 +244,8 @@ def _check_values(block: np.ndarray, lengths: np.ndarray, config: EncoderConfig)
     """Token ids in the vocabulary, features finite: one pass over the block (its padding holds the
     pad id or zeros, which pass); a failure names the first row that broke the rule."""
     if config.input_kind == "tokens":
-        if int(block.min()) >= 0 and int(block.max()) < config.vocab_size:
+        # one pass: as unsigned, a negative id reads as a huge one (the int64 block's bits, not copied)
+        if int(block.view(np.uint64).max()) < config.vocab_size:
             return
         bad = (block < 0) | (block >= config.vocab_size)
         index = int(np.flatnonzero(bad.any(axis=1))[0])
@@ -251,10 +260,10 @@ def _check_values(block: np.ndarray, lengths: np.ndarray, config: EncoderConfig)
     raise ValidationError(f"sequences[{index}]: features contain NaN or infinity")
 
 
-def _check_mask(mask: MaskChoice, lengths: np.ndarray, max_len: int) -> np.ndarray | None:
-    """The mask's fields checked; kind=custom: the custom mask as Rows holds it (bool [n, T, T], T the
-    longest row, False past each row's own length)."""
-    kind = mask.kind
+def _check_mask(kind: MaskKind, mask: MaskChoice, lengths: np.ndarray, max_len: int) -> np.ndarray | None:
+    """The mask's fields checked (`kind`: its kind, the model's natural one where the request chose none);
+    kind=custom: the custom mask as Rows holds it (bool [n, T, T], T the longest row, False past each row's
+    own length)."""
     if mask.causal and not kind.takes_causal_flag and kind != MaskKind.CAUSAL:
         raise ValidationError(
             f"mask.causal: the causal flag combines with sliding_window, dilated or local_strided, "

@@ -19,7 +19,7 @@ from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.projection import Dense
-from serve.backend.feeds import Rows, pad_batch
+from serve.backend.feeds import Rows, pad_batch, run_lengths
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
 from serve.core.pooling import FROM_HIDDEN, request_outputs
@@ -46,8 +46,9 @@ class BatchRunner:
         progress = {ticket: _Progress(ticket) for ticket in batch}
         provider = self.backend.info.execution_provider
         for number, (path, pieces) in enumerate(self._runs(batch)):
-            length = max(int(t.rows.lengths.max() if i is None else t.rows.lengths[i].max()) for t, i in pieces)
-            feeds = pad_batch([(t.rows, i) for t, i in pieces], length, self.config, path)
+            length = max(t.length if i is None else int(t.rows.lengths[i].max()) for t, i in pieces)
+            pieces_rows = [(t.rows, i) for t, i in pieces]
+            feeds = pad_batch(pieces_rows, length, self.config, path)
             started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
                 hidden, pooled = self.backend.encode(feeds, path)
@@ -56,9 +57,8 @@ class BatchRunner:
             else:
                 hidden, pooled = self.backend.encode(feeds)
             inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
-            lengths = feeds["attention_mask"].sum(axis=1)
+            lengths, tokens = run_lengths(pieces_rows)
             rows = len(lengths)
-            tokens = int(lengths.sum())
             self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
                           padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)
             wants_hidden = any(t.request.hidden_states or t.request.pooling in FROM_HIDDEN for t, _ in pieces)
@@ -73,10 +73,12 @@ class BatchRunner:
                                      inference_s=inference_s, batch_size=rows, batch_length=length,
                                      path=path, finite=finite)
                 at += count
-            for ticket, _ in pieces:
-                if progress[ticket].complete and not ticket.done():
-                    self._observe(queue_s=progress[ticket].queue_s)  # every method alike; before the answer
-                    progress[ticket].finish(provider, self.dense)
+            complete = [progress[ticket] for ticket, _ in pieces
+                        if progress[ticket].complete and not ticket.done()]
+            if complete:  # every method alike; before the answers
+                self._observe(queue_s=[done.queue_s for done in complete])
+            for done in complete:
+                done.finish(provider, self.dense)
 
     def _runs(self, batch: list) -> list[tuple[str, list[tuple[object, np.ndarray | None]]]]:
         """The session.runs for `batch`: (path, pieces), a piece being a ticket and the indices of its

@@ -102,7 +102,7 @@ class ReflectionPool:
 def _params(msg) -> dict:
     """The request's parameters as {name: value} (serve/protocols/fields.py reads them, leniently: v2 clients
     send booleans and integers as strings too)."""
-    return fields.parameter_values(msg.parameters)
+    return fields.parameter_values(msg.parameters) if msg.parameters else {}
 
 
 def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
@@ -138,23 +138,26 @@ def texts_from_v2(tensor, raw: bytes | None) -> tuple[str, ...]:
     return tuple(texts)
 
 
-# the shape each tensor input takes: the most dimensions it may have (the one rank rule, as Encode's)
+# the shape each tensor input takes, and the most dimensions it may have (the one rank rule, as Encode's)
 LAYOUTS = {"input_ids": "[B, T]", "inputs_embeds": "[B, T, D]", "attention_mask": "[B, T]",
            "custom_mask": "[T, T] or [B, T, T]"}
+OTHER_LAYOUT = "[B, T, D]"
+MAX_RANK = {name: layout.split(" or ")[-1].count(",") + 1 for name, layout in {**LAYOUTS, "": OTHER_LAYOUT}.items()}
 
 
 def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     """One v2 input (raw bytes or typed contents) as numpy; ValidationError naming the input."""
-    name = f"inputs[{clip(tensor.name)}]"
-    layout = LAYOUTS.get(tensor.name, "[B, T, D]")
-    max_rank = layout.split(" or ")[-1].count(",") + 1
     dtype = DATATYPES.get(tensor.datatype)
+    layout = LAYOUTS.get(tensor.name, OTHER_LAYOUT)
+    max_rank = MAX_RANK.get(tensor.name, MAX_RANK[""])
+    name = None if dtype is not None and raw is not None and len(tensor.shape) <= max_rank else \
+        f"inputs[{clip(tensor.name)}]"
     if dtype is None:
         raise ValidationError(f"{name}.datatype: {quote(tensor.datatype)} is not supported; use "
                               f"{', '.join(DATATYPES)}")
     if raw is not None:
-        return array_from_bytes(raw, dtype, tensor.shape, field=name, data_field=f"{name} raw contents",
-                                type_name=tensor.datatype, layout=layout, max_rank=max_rank)
+        return array_from_bytes(raw, dtype, tensor.shape, field=name or f"inputs[{clip(tensor.name)}]",
+                                data_field=None, type_name=tensor.datatype, layout=layout, max_rank=max_rank)
     shape = check_shape(tensor.shape, name, layout, max_rank)
     count = math.prod(shape)
     field = CONTENTS_FIELD[tensor.datatype]
@@ -168,12 +171,16 @@ def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
-def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> np.ndarray:
+def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> np.ndarray | None:
+    """Each row's length from an attention mask of 1s then 0s (right padding); None when every row is
+    `length` long (no mask, or all ones: the common case, checked with two reductions)."""
     if attention is None:
-        return np.full(batch, length, np.int64)
+        return None
     if attention.shape != (batch, length):
         raise ValidationError(f"inputs[attention_mask].shape: {list(attention.shape)} must equal the "
                               f"ids' [{batch}, {length}]")
+    if _all_ones(attention):
+        return None
     lengths = np.count_nonzero(attention, axis=1)
     right_padded = attention == (np.arange(length) < lengths[:, None])  # 1s then 0s, nothing else
     if not right_padded.all():
@@ -182,70 +189,89 @@ def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> np.nd
     return lengths
 
 
+_ONES: dict[tuple[str, int], bytes] = {}
+
+
+def _all_ones(array: np.ndarray) -> bool:
+    """Whether every element is 1, as a comparison of bytes (no numpy reduction: most masks are all ones)."""
+    key = (array.dtype.str, array.size)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) >= 256:
+            _ONES.clear()
+        ones = _ONES[key] = np.ones(array.size, array.dtype).tobytes()
+    return array.tobytes() == ones
+
+
 def _names(names) -> str:
     """Client-supplied names for a message: each clipped, at most LIST_NAMES of them."""
     return listing(names, LIST_NAMES)
 
 
-def _check_inputs(msg, known: set[str]) -> None:
+def _check_inputs(msg, known: set[str]) -> list[str]:
     """Refuses what the v2 protocol leaves ambiguous, naming the input: raw_input_contents that do not
     pair one to one with the inputs, typed contents beside raw ones, an input given twice, an
-    unknown input, an output asked for twice."""
-    raw_count, inputs = len(msg.raw_input_contents), msg.inputs
-    if raw_count not in (0, len(inputs)):
-        raise ValidationError(f"raw_input_contents: {raw_count} entries for {len(inputs)} inputs; "
+    unknown input, an output asked for twice. Returns the inputs' names."""
+    inputs = msg.inputs
+    names = [t.name for t in inputs]
+    raw_count = len(msg.raw_input_contents)
+    if raw_count not in (0, len(names)):
+        raise ValidationError(f"raw_input_contents: {raw_count} entries for {len(names)} inputs; "
                               f"send one per input, in the order of inputs, or none")
     if raw_count:
         typed = [t.name for t in inputs if t.HasField("contents")]
         if typed:
             raise ValidationError(f"inputs[{clip(typed[0])}]: typed contents and raw_input_contents in one "
                                   f"request; the v2 protocol allows one or the other, not both")
-    counts: dict[str, int] = {}
-    for t in inputs:
-        counts[t.name] = counts.get(t.name, 0) + 1
-    repeated = [name for name, n in counts.items() if n > 1]
-    if repeated:
-        raise ValidationError(f"inputs[{clip(repeated[0])}]: given {counts[repeated[0]]} times; send each "
+    distinct = set(names)
+    if len(distinct) != len(names):
+        repeated = next(name for name in names if names.count(name) > 1)
+        raise ValidationError(f"inputs[{clip(repeated)}]: given {names.count(repeated)} times; send each "
                               f"input once")
-    unknown = sorted(set(counts) - known)
-    if unknown:
-        raise ValidationError(f"inputs: unknown input(s) {_names(unknown)}; this model takes "
+    if not distinct <= known:
+        raise ValidationError(f"inputs: unknown input(s) {_names(sorted(distinct - known))}; this model takes "
                               f"{', '.join(sorted(known))}")
-    outputs: dict[str, int] = {}
-    for o in msg.outputs:
-        outputs[o.name] = outputs.get(o.name, 0) + 1
-    twice = [name for name, n in outputs.items() if n > 1]
-    if twice:
-        raise ValidationError(f"outputs[{clip(twice[0])}]: requested {outputs[twice[0]]} times; ask for "
+    outputs = [o.name for o in msg.outputs]
+    if len(set(outputs)) != len(outputs):
+        twice = next(name for name in outputs if outputs.count(name) > 1)
+        raise ValidationError(f"outputs[{clip(twice)}]: requested {outputs.count(twice)} times; ask for "
                               f"each output once")
+    return names
 
 
 def request_from_v2(msg, engine: Engine) -> tuple[EncodeTask, list[str], int]:
     """(the encode task, the outputs to return, the padded length T of the batch: 0 for texts, known only once
     they are tokenized)."""
-    first = "input_ids" if engine.export.config.input_kind == "tokens" else "inputs_embeds"
-    known = {first, "attention_mask", "custom_mask"} | ({"texts"} if engine.export.has_tokenizer else set())
-    _check_inputs(msg, known)
-    raws = list(msg.raw_input_contents) or [None] * len(msg.inputs)
-    texts = next((texts_from_v2(t, raw) for t, raw in zip(msg.inputs, raws) if t.name == "texts"), None)
-    tensors = {t.name: tensor_to_numpy(t, raw) for t, raw in zip(msg.inputs, raws) if t.name != "texts"}
+    tokens = engine.export.config.input_kind == "tokens"
+    first = "input_ids" if tokens else "inputs_embeds"
+    names = _check_inputs(msg, KNOWN[tokens, engine.export.has_tokenizer])
+    raws = msg.raw_input_contents or [None] * len(names)
     params = _params(msg)
-    if texts is not None:
-        if tensors:
+    if "texts" in names:
+        if len(names) > 1:
             raise ValidationError(f"inputs: send either texts or {first} (with its masks), not both")
-        inputs = Inputs(texts, text=TextOptions(truncate=_flag(params, "truncate")))
+        inputs = Inputs(texts_from_v2(msg.inputs[0], raws[0]),
+                        text=TextOptions(truncate=_flag(params, "truncate")))
         return _task(msg, params, engine, inputs, _mask(params, None)) + (0,)
-    if first not in tensors:
+    tensors = {name: tensor_to_numpy(t, raw) for name, t, raw in zip(names, msg.inputs, raws)}
+    ids = tensors.get(first)
+    if ids is None:
         raise ValidationError(f"inputs: missing {first}")
-    ids = tensors[first]
     if ids.ndim < 2 or ids.shape[0] == 0:
         raise ValidationError(f"inputs[{first}].shape: {list(ids.shape)} must be {LAYOUTS[first]} with B >= 1")
-    batch, length = int(ids.shape[0]), int(ids.shape[1])
+    batch, length = ids.shape[0], ids.shape[1]
     lengths = _row_lengths(tensors.get("attention_mask"), batch, length)
-    custom = _cut_custom(tensors.get("custom_mask"), lengths)
+    custom = tensors.get("custom_mask")
+    if custom is not None:
+        custom = _cut_custom(custom, np.full(batch, length, np.int64) if lengths is None else lengths)
     # the tensor itself, with each row's length: the core checks it at once and never cuts it up
-    inputs = Inputs(sequences=ids, lengths=None if min(lengths) == length else lengths)
+    inputs = Inputs(sequences=ids, lengths=lengths)
     return _task(msg, params, engine, inputs, _mask(params, custom)) + (length,)
+
+
+# the inputs a model takes, by (token ids?, a tokenizer?)
+KNOWN = {(tokens, texts): {"input_ids" if tokens else "inputs_embeds", "attention_mask", "custom_mask"}
+         | ({"texts"} if texts else set()) for tokens in (True, False) for texts in (True, False)}
 
 
 def outputs_of(engine: Engine) -> tuple[str, ...]:
@@ -289,8 +315,13 @@ def _task(msg, params: dict, engine: Engine, inputs: Inputs, mask: MaskChoice) -
 
 
 def _mask(params: dict, custom: np.ndarray | None) -> MaskChoice:
+    if not params and custom is None:
+        return NATURAL  # the model's natural mask (resolved by core/requests.py to_rows)
     return mask_choice(params.get("mask_kind"), _flag(params, "causal"), _integer(params, "window", 0),
                        _integer(params, "step", 1), custom, field="parameters.mask_kind")
+
+
+NATURAL = MaskChoice()
 
 
 def _cut_custom(custom: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | None:

@@ -30,27 +30,29 @@ def check_shape(shape, field: str, layout: str, max_rank: int) -> tuple[int, ...
     with thousands of dimensions must not reach a message."""
     if len(shape) > max_rank:
         raise ValidationError(f"{field}.shape: {len(shape)} dimensions; {field} must be of shape {layout}")
-    shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
+    shape = tuple(shape)
+    if min(shape, default=0) < 0:
         raise ValidationError(f"{field}.shape: negative dimension in {list(shape)}")
     return shape
 
 
-def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_field: str,
+def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_field: str | None,
                      type_name: str, layout: str, max_rank: int) -> np.ndarray:
     """A read-only view of packed little-endian `data` as `shape`; ValidationError naming the field
     when the shape has more than `max_rank` dimensions or a negative one, the byte count does not
-    match, or BOOL bytes are not 0 or 1.
+    match, or BOOL bytes are not 0 or 1 (`data_field`: how a message names the bytes; None: `field`'s
+    "raw contents").
     Shared by Encode (`Tensor.data`) and KServe v2 (`raw_input_contents`)."""
     shape = check_shape(shape, field, layout, max_rank)
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise ValidationError(
-            f"{data_field}: {len(data)} bytes, but shape {list(shape)} of {type_name} needs {expected}"
+            f"{data_field or f'{field} raw contents'}: {len(data)} bytes, but shape {list(shape)} of {type_name} "
+            f"needs {expected}"
         )
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
     if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:  # numpy would read 2..255 as True
-        raise ValidationError(f"{data_field}: BOOL elements must be bytes 0 or 1")
+        raise ValidationError(f"{data_field or f'{field} raw contents'}: BOOL elements must be bytes 0 or 1")
     return array
 
 

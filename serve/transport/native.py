@@ -5,7 +5,8 @@ Why: grpcio's Python server costs ~0.34 ms of CPU per unary call here before any
 end costs ~0.26 ms in all. Here gRPC C++ owns HTTP/2, TLS and the call objects, and hands Python every
 event that arrived since the last look in ONE wake-up (`Transport.next`): one pump thread routes them
 (serve/transport/rpc.py Router), so a burst of requests is parsed, validated and queued for the batcher
-in one go, and each is answered from the batcher's thread when its batch has run. C++ holds no request
+in one go, and each is answered from the batcher's thread when its batch has run: the answer is handed to
+C++'s writer thread (`Transport.finish`), which runs gRPC's write path without the GIL. C++ holds no request
 rule, no limit but gRPC's own receive size, no status text: every check lives once, in Python, and
 the grpcio transport (serve/transport/grpcio.py) runs the very same Router where this module is not
 built (`python -m tools.native_build`, `make native`).
@@ -52,11 +53,18 @@ class NativeRpc(Rpc):
         self._owner, self._id = owner, call_id
 
     def _send(self, payload: bytes) -> None:
-        self._owner.flush()  # what was answered before goes first
         self._owner._t.write(self._id, payload)
 
     def _close(self, code: grpc.StatusCode, message: str, payload: bytes | None) -> None:
-        self._owner.answer((self._id, code.value[0], message, payload))
+        # handed to C++'s writer thread, from whichever thread answers (the batcher's, for a batch's answers):
+        # no hop through the pump, and gRPC's write path never runs under the GIL
+        self._owner._t.finish(self._id, code.value[0], message, payload)
+
+    def _end(self) -> bool:
+        ended = super()._end()
+        if ended:
+            self._owner._calls.pop(self._id, None)
+        return ended
 
 
 class NativeTransport:
@@ -71,46 +79,23 @@ class NativeTransport:
         self.port = self._t.start(address, max_receive_bytes, pem, streaming)
         self._router = router
         self._calls: dict[int, NativeRpc] = {}  # open calls the router may still hear of (streams, cancels)
-        # answers wait here for the pump, which hands them to C++ together (finish_many): a batch's
-        # answers cost one wake-up and one GIL release, not one each
-        self._answers: list[tuple] = []
-        self._answers_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._pump, name="transport-pump", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def answer(self, answer: tuple) -> None:
-        """Queues (id, code, text, bytes | None) for the pump; wakes it for the first one queued."""
-        with self._answers_lock:
-            self._answers.append(answer)
-            first = len(self._answers) == 1
-        if first:
-            self._t.wake()
-
-    def flush(self) -> None:
-        """Hands every queued answer to C++ (the pump does this after each wake-up)."""
-        with self._answers_lock:
-            answers, self._answers = self._answers, []
-        if answers:
-            self._t.finish_many(answers)
-
     def _pump(self) -> None:
         logs.name_thread("transport-pump")
         m, t, router, calls = self._m, self._t, self._router, self._calls
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
         while not self._stopping:
-            events = t.next(POLL_S)
-            self.flush()
-            for event in events:
+            for event in t.next(POLL_S):
                 kind, call_id = event[0], event[1]
                 try:
                     if kind == START:
                         _, _, method, payload, metadata, remaining = event
-                        rpc = NativeRpc(self, call_id, method, metadata, remaining)
-                        calls[call_id] = rpc
-                        rpc.add_callback(lambda call_id=call_id: calls.pop(call_id, None))
+                        rpc = calls[call_id] = NativeRpc(self, call_id, method, metadata, remaining)
                         router.start(rpc, payload)
                         continue
                     rpc = calls.get(call_id)
@@ -124,11 +109,9 @@ class NativeTransport:
                         router.cancel(rpc)
                 except Exception as error:  # the pump must survive anything a call does
                     logs.event(log, "pump_error", logging.ERROR, error=repr(error))
-            self.flush()  # the answers given while routing (refusals, errors) go now
 
     def stop(self, grace: float) -> None:
         """Stops listening; what is still open after `grace` s is cancelled by gRPC."""
-        self.flush()
         self._t.stop(grace)
         self._stopping = True
         self._thread.join(timeout=5)

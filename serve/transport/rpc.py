@@ -55,8 +55,8 @@ class Rpc:
         self.method = method
         self.received = time.monotonic()
         self.deadline = None if remaining is None or remaining > NO_DEADLINE_S else self.received + remaining
-        self._metadata = tuple((k, v.decode("utf-8", "replace") if isinstance(v, bytes) and not k.endswith("-bin")
-                                else v) for k, v in metadata)
+        self._raw_metadata = metadata  # decoded when asked (the token check, a servicer): most calls never ask
+        self._metadata: tuple | None = None
         self._lock = threading.Lock()
         self._ended = False
         self._callbacks: list[Callable[[], None]] = []
@@ -69,6 +69,9 @@ class Rpc:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def invocation_metadata(self) -> tuple:
+        if self._metadata is None:
+            self._metadata = tuple((k, v.decode("utf-8", "replace") if isinstance(v, bytes) and not k.endswith("-bin")
+                                    else v) for k, v in self._raw_metadata)
         return self._metadata
 
     def add_callback(self, callback: Callable[[], None]) -> bool:

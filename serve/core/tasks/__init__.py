@@ -71,9 +71,9 @@ class Pending:
 
     __slots__ = ("ticket", "_finish")
 
-    def __init__(self, ticket, finish: Callable[[object], object]) -> None:
+    def __init__(self, ticket, finish: Callable[[object], object] | None = None) -> None:
         self.ticket = ticket
-        self._finish = finish
+        self._finish = finish  # None: the core's result is the verb's
 
     def cancel(self) -> None:
         """The caller left: a request still queued is dropped, never run."""
@@ -85,7 +85,8 @@ class Pending:
 
     def result(self):
         """The verb's result of a finished task, or raises its error."""
-        return self._finish(self.ticket.outcome())
+        outcome = self.ticket.outcome()
+        return outcome if self._finish is None else self._finish(outcome)
 
     def wait(self, timeout: float | None = None):
         """Waits for the rows (DeadlineExceeded past `timeout`: the ticket is cancelled), then `result()`."""

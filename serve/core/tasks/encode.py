@@ -46,24 +46,27 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
         if task.dimensions is not None:
             raise ValidationError(f"dimensions: model {engine.name!r} is {DESCRIBED[engine.task]}; it answers its "
                                   f"head's output (scores), which has no dimensions to cut")
-        outputs = dict(pooling="none", normalize=False, scores=True)
+        pooling, normalize, scores = "none", False, True
     else:
         pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
-        if pooling == "none" and task.dimensions is not None:
-            raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
-        check_dimensions(task.dimensions, engine.embedding_width)
+        if task.dimensions is not None:
+            if pooling == "none":
+                raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
+            check_dimensions(task.dimensions, engine.embedding_width)
         normalize = engine.export.default_normalize if task.normalize is None else task.normalize
-        outputs = dict(pooling=pooling, normalize=normalize)
+        scores = False
     inputs = task.inputs
     if inputs.texts:
-        rows = text_rows(engine, inputs, chunk=task.chunk,
-                         one_mean=not task.hidden_states and outputs["pooling"] == "mean")
-        work = Work(rows.sequences, task.mask, task.hidden_states, request_id=task.request_id,
-                    truncated=rows.truncated, chunks=rows.chunks, **outputs)
+        rows = text_rows(engine, inputs, chunk=task.chunk, one_mean=not task.hidden_states and pooling == "mean")
+        work = Work(rows.sequences, task.mask, task.hidden_states, pooling, normalize, scores, task.request_id,
+                    truncated=rows.truncated, chunks=rows.chunks)
     else:
-        work = Work(inputs.sequences, task.mask, task.hidden_states, request_id=task.request_id,
-                    lengths=inputs.lengths, **outputs)
-    return Pending(engine.submit(work, deadline), lambda result: finish(result, work, task.dimensions))
+        work = Work(inputs.sequences, task.mask, task.hidden_states, pooling, normalize, scores, task.request_id,
+                    inputs.lengths)
+    ticket = engine.submit(work, deadline)
+    if not work.chunks and task.dimensions is None:
+        return Pending(ticket)  # the core's result is the verb's
+    return Pending(ticket, lambda result: finish(result, work, task.dimensions))
 
 
 def finish(result: EncodeResult, work: Work, dimensions: int | None) -> EncodeResult:
