@@ -18,6 +18,7 @@ Every server here listens on 127.0.0.1 and every wait and load is bounded in tim
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import socket
@@ -126,18 +127,20 @@ class ServerHandle:
 @contextmanager
 def running_server(export_dir: str | Path | None, flags: Sequence[str] = (), *, source: Sequence[str] = (),
                    ready: Callable[[ServerHandle], bool] | None = None,
-                   start_timeout_s: float = 120.0) -> Iterator[ServerHandle]:
+                   start_timeout_s: float = 120.0, serve_from: str | Path = REPO) -> Iterator[ServerHandle]:
     """`python -m serve` on 127.0.0.1 serving `export_dir` (or `source`, e.g. ["--model-repository", DIR]):
     main port 0, metrics and HTTP off and log level warning, then `flags` (argparse: a later flag wins, so
     ["--http-port", "0"] turns HTTP on). Ready once `ready(handle)` is true; by default once gRPC health
-    reports SERVING. Yields its ServerHandle; stops it on exit (SIGTERM, then SIGKILL)."""
+    reports SERVING. Yields its ServerHandle; stops it on exit (SIGTERM, then SIGKILL). `serve_from`: the
+    checkout whose code the server runs (another commit's, to measure a change against it)."""
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     port_file, log = workdir / "ports.json", workdir / "server.log"
     command = [sys.executable, "-m", "serve", *(source or ["--export-dir", str(export_dir)]), "--host", LOOPBACK,
                "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--port-file", str(port_file),
                "--log-level", "warning", *flags]
-    with running_process(command, log, port_file=port_file, start_timeout_s=start_timeout_s) as (
-            process, ports, deadline):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(serve_from), os.environ.get("PYTHONPATH")]))}
+    with running_process(command, log, port_file=port_file, start_timeout_s=start_timeout_s, cwd=serve_from,
+                         env=env) as (process, ports, deadline):
         port = int(ports["port"])
         handle = ServerHandle(process, port, f"{LOOPBACK}:{port}", log, list(flags), frozenset(thread_cpu(process.pid)),
                               ports.get("metrics_port"), ports.get("transport", ""), ports.get("http_port"))

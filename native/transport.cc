@@ -33,6 +33,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <pthread.h>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -332,6 +334,7 @@ class Transport {
  private:
   // The writer thread: each answer Python handed over, sent in the order given.
   void write_loop() {
+    pthread_setname_np(pthread_self(), "grpc-writer");  // its CPU is the transport's, not a model's (profiles)
     std::deque<Answer> taken;
     while (true) {
       {

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 DEVICES = ("cpu", "cuda", "auto")
 TRANSPORTS = ("auto", "native", "grpcio")
+ROLES = ("", "front-end")  # "": the server itself (with or without front ends); "front-end": started by it
 ENV_PREFIX = "ENCODER_"
 
 
@@ -58,6 +59,15 @@ class ServerConfig:
     # by default; they round inputs to 10 mantissa bits: measured 7e-4 max abs off PyTorch fp32 on an
     # H100 against 1e-6 without (docs/serving.md). Off: fp32 means fp32. On: faster, less exact.
     cuda_tf32: bool = False
+    # Front-end processes (serve/assembly/front_ends.py, docs/serving.md "Front ends"): 0: one process does
+    # everything; N >= 1: N processes run the request path (transports, protocols, tokenization, checks,
+    # answers) on the server's ports, beside one engine process that holds the models and runs them.
+    front_ends: int = 0
+    # a front end's own settings, set by the engine that starts it (not for users): its role, index and the
+    # folder of the wire's sockets
+    role: str = ""
+    front_end_index: int = 0
+    ipc_dir: str = ""
     intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity) / instances
     # ONNX Runtime's intra-op threads spin-wait for the next piece of work after each one (its default).
     # Off (ours): they sleep, leaving the CPU to the request path and to other runs; measured on 2 CPUs with a
@@ -121,6 +131,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.front_ends < 0:
+            raise ValueError(f"front_ends must be >= 0 (0: one process), got {self.front_ends}")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r} is not one of {', '.join(map(repr, ROLES))}")
         for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",
                      "max_request_bytes", "max_response_bytes", "workers"):
             if getattr(self, name) < 1:
@@ -157,6 +171,14 @@ class ServerConfig:
             raise ValueError(f"memory_budget_mb must be >= 0 (0: a share of memory), got {self.memory_budget_mb}")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
+
+
+def config_environment(config: ServerConfig, **changes) -> dict[str, str]:
+    """`config` (with `changes`) as ENCODER_* variables: what another process of this server reads back
+    (`load_config`) to run with the same settings."""
+    values = dataclasses.asdict(dataclasses.replace(config, **changes))
+    return {ENV_PREFIX + name.upper(): (str(value).lower() if isinstance(value, bool) else str(value))
+            for name, value in values.items()}
 
 
 def _parse_bool(text: str) -> bool:

@@ -122,3 +122,12 @@ class BackendError(ServeError):
     """The inference backend failed (at start: it cannot serve this export or device)."""
 
     kind = "internal"
+
+
+def by_name(name: str, message: str) -> ServeError:
+    """The ServeError of class `name` (as another process of this server sent it), else a plain one."""
+    for cls in (ValidationError, Unsupported, Overloaded, TooLarge, Unavailable, DeadlineExceeded, Cancelled,
+                NotFound, ModelRefused, BackendError):
+        if cls.__name__ == name:
+            return cls(message)
+    return ServeError(message)

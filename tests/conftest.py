@@ -121,6 +121,7 @@ class ServeProcess:
     log_path: Path
     transport: str = ""  # what carries the gRPC bytes (serve/transport/): native or grpcio
     http_port: int | None = None  # the HTTP transport (serve/transport/http.py)
+    front_ends: tuple[int, ...] = ()  # --front-ends N: the front-end processes' pids (the engine is `proc`)
 
     @property
     def target(self) -> str:
@@ -182,7 +183,8 @@ def serve_start(tmp_path_factory):
                 raise TimeoutError(f"no port file after {timeout}s:\n{log_path.read_text()}")
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("transport", ""), ports.get("http_port"))
+        server = ServeProcess(proc, ports["port"], ports["metrics_port"], log_path, ports.get("transport", ""),
+                              ports.get("http_port"), tuple(ports.get("front_ends", ())))
         started.append(server)
         if wait:
             _wait_serving(server.target, max(1.0, end - time.monotonic()))

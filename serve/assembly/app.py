@@ -26,11 +26,12 @@ from grpc_reflection.v1alpha import reflection
 
 from serve import logs
 from serve.assembly.loading import BackendFactory, default_backend
+from serve.assembly.front_end import RemoteRepository
 from serve.assembly.repository import ModelRepository
 from serve.config import ServerConfig
 from serve.core.admission import Admission
 from serve.core.engine import Engine, Reloaded
-from serve.core.metrics import Metrics
+from serve.core.metrics import REQUESTS, Metrics
 from serve.errors import ServeError, Unavailable
 from serve.protocols import kserve_v2 as kserve
 from serve.protocols import routes
@@ -52,18 +53,23 @@ class EncoderServer:
     """The gRPC server plus the model it serves; `load()` makes it ready, `reload()` swaps the model
     without downtime, `shutdown()` drains it."""
 
-    def __init__(self, config: ServerConfig, backend_factory: BackendFactory | None = None) -> None:
+    def __init__(self, config: ServerConfig, backend_factory: BackendFactory | None = None, *,
+                 link=None, mirror=None) -> None:
         self.config = config
-        self.metrics = Metrics()
+        # a front-end process (`link`: its wire to the engine process, serve/assembly/front_end.py) counts its
+        # requests only; the engine keeps the rest (serve/core/metrics.py)
+        self.metrics = Metrics(parts=(REQUESTS,)) if link is not None else Metrics()
         self.metrics_port: int | None = None
         self._backend_factory = backend_factory or default_backend
         # the state, the served engines, the calls in flight and readiness (serve/core/admission.py)
         self.admission = Admission(config.default_model)
         self.admit = self.admission.admit
         self.engine = self.admission.engine
-        # the models: the repository's folders, or the one --export-dir (serve/assembly/repository.py)
-        self.repository = ModelRepository(config, self.admission, self.metrics, self._backend_factory,
-                                          swap=lambda old, new: self._swap_engine(old, new))
+        # the models: the repository's folders, or the one --export-dir (serve/assembly/repository.py); in a
+        # front end, the engine process's
+        self.repository = RemoteRepository(link, mirror) if link is not None else ModelRepository(
+            config, self.admission, self.metrics, self._backend_factory,
+            swap=lambda old, new: self._swap_engine(old, new))
         # what every protocol adapter is lent (serve/protocols/edge.py)
         api = Api(self.admission, self.metrics, self.repository)
         # gRPC's own hard limit sits above ours, so most oversized requests reach our check and
@@ -94,7 +100,7 @@ class EncoderServer:
         # every HTTP route of every family (serve/protocols/routes.py, the one route table)
         self.http: HttpTransport | None = None
         if config.http_port >= 0:
-            self.http = HttpTransport(config.host, config.http_port, routes.router(api),
+            self.http = HttpTransport(config.host, config.http_port, routes.router(api), reuse_port=link is not None,
                                       auth_token=config.auth_token, max_body_bytes=config.max_request_bytes,
                                       tls_files=(config.tls_cert, config.tls_key, config.tls_client_ca)
                                       if config.tls_cert else None,
@@ -129,6 +135,10 @@ class EncoderServer:
         self.metrics.ready.set(0)
         logs.event(log, "leaving", drain_delay_s=delay)
         threading.Event().wait(delay)  # a deliberate delay: nothing to wait for but the balancers
+
+    def not_ready(self) -> None:
+        """Reports not ready (a front end, told the engine's drain delay began): health NOT_SERVING."""
+        self._set_health(False)
 
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -231,10 +241,11 @@ class EncoderServer:
         return drained
 
 
-def create_server(config: ServerConfig, *, backend_factory: BackendFactory | None = None
-                  ) -> tuple[EncoderServer, int]:
-    """A bound, not yet started server and its port (port 0 in the config: the OS chooses)."""
-    server = EncoderServer(config, backend_factory)
+def create_server(config: ServerConfig, *, backend_factory: BackendFactory | None = None, link=None,
+                  mirror=None) -> tuple[EncoderServer, int]:
+    """A bound, not yet started server and its port (port 0 in the config: the OS chooses). `link`, `mirror`: a
+    front-end process's wire to its engine and its view of the engine's models (serve/assembly/front_end.py)."""
+    server = EncoderServer(config, backend_factory, link=link, mirror=mirror)
     return server, server.port
 
 
@@ -263,9 +274,18 @@ class _StopSignals:
 
 
 def serve(config: ServerConfig) -> int:
-    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    """Runs until SIGTERM/SIGINT; returns the process exit code. With --front-ends N this process is the
+    engine and starts the front ends (serve/assembly/front_ends.py); a front end is started with its role."""
+    if config.role == "front-end":
+        from serve.assembly.front_end import serve_front_end
+
+        return serve_front_end(config)
     logs.setup(config.log_level)
     stop = _StopSignals()
+    if config.front_ends:
+        from serve.assembly.front_ends import serve_engine
+
+        return serve_engine(config, stop)
     try:
         server, _ = create_server(config)
     except RuntimeError as error:  # e.g. the port is taken

@@ -40,6 +40,27 @@ class Admission:
         self.refused_draining = 0
         self._drain_hooks: set[Callable[[], None]] = set()  # streams: end once answered (EncodeStream)
         self._leaving = False  # SIGTERM's drain delay: still admitting, but no longer ready (`leave`)
+        # called after every change of the state or of the served models (the engine process tells its front
+        # ends: serve/assembly/front_ends.py); None: nobody listens
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def snapshot(self) -> tuple[str, bool, dict[str, Engine], dict[str, str]]:
+        """(state, leaving, the served engines, the models loading or unloading), as one consistent view."""
+        with self._calls:
+            return self.state, self._leaving, dict(self._engines), dict(self._changing)
+
+    def mirror(self, leaving: bool, engines: dict[str, Engine], changing: dict[str, str]) -> None:
+        """Takes another process's view (a front end's, of the engine's `snapshot`): the models it serves and
+        their changes, and `leaving`. The state stays this process's own (its load and its drain set it)."""
+        with self._calls:
+            if self.state == "serving":  # before: its load takes them (`serving`)
+                self._engines = dict(engines)
+            self._changing = dict(changing)
+            self._leaving = self._leaving or leaving
 
     # -- readiness ---------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -51,6 +72,7 @@ class Admission:
         """Reports not ready from now on while still admitting calls (the drain delay before a drain, so
         balancers take this replica out before it refuses anything)."""
         self._leaving = True
+        self._changed()
 
     # -- the engines -------------------------------------------------------------------------
     def engine(self, model: str = "") -> Engine:
@@ -99,7 +121,8 @@ class Admission:
             if self.state != "loading":
                 return False
             self._engines, self.state = dict(engines), "serving"
-            return True
+        self._changed()
+        return True
 
     def changing(self, name: str, what: str | None) -> None:
         """Marks `name` as loading or unloading (its calls get UNAVAILABLE saying so); None: done."""
@@ -108,6 +131,7 @@ class Admission:
                 self._changing.pop(name, None)
             else:
                 self._changing[name] = what
+        self._changed()
 
     def add(self, name: str, engine: Engine) -> bool:
         """Serves `engine` as `name` beside the others; False when not serving (nothing changes)."""
@@ -115,7 +139,8 @@ class Admission:
             if self.state != "serving" or name in self._engines:
                 return False
             self._engines = {**self._engines, name: engine}
-            return True
+        self._changed()
+        return True
 
     def remove(self, name: str) -> Engine | None:
         """Stops admitting calls to `name` (they get UNAVAILABLE "unloading" until `changing(name, None)`);
@@ -124,7 +149,8 @@ class Admission:
             engines = dict(self._engines)
             engine = engines.pop(name, None)
             self._engines = engines
-            return engine
+        self._changed()
+        return engine
 
     def swap(self, old: Engine, new: Engine) -> bool:
         """Replaces `old` by `new` under the name it serves (one assignment: a call sees one or the
@@ -134,7 +160,8 @@ class Admission:
             if self.state != "serving" or name is None:
                 return False
             self._engines = {**self._engines, name: new}
-            return True
+        self._changed()
+        return True
 
     # -- calls -------------------------------------------------------------------------------
     def admit(self, context=None, on_drain: Callable[[], None] | None = None,
@@ -197,7 +224,9 @@ class Admission:
             if self.state in ("draining", "stopped"):
                 return None
             self.state = "draining"
-            return list(self._drain_hooks)
+            hooks = list(self._drain_hooks)
+        self._changed()
+        return hooks
 
     def wait_calls(self, until: float) -> bool:
         """Waits until no admitted call is in flight; False when `until` (monotonic) came first."""

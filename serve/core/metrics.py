@@ -8,21 +8,42 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+REQUESTS, ENGINE = "requests", "engine"  # the two parts (a front-end process counts requests, the engine the rest)
+
+
+class _Off:
+    """A metric of the part this process does not keep (a front end's `ready`: the engine reports it)."""
+
+    def set(self, value: float) -> None:
+        pass
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """Every metric of the server, in two parts: the requests (counted where they arrive: per method and status,
+    their seconds and sequences) and the engine (queues, batches, runs, models, readiness). One process keeps
+    both; with --front-ends N each front end keeps the requests part (in prometheus_client's multiprocess files)
+    and the engine the rest, serving both on its one port (`serve_http` with `front_ends_dir`)."""
+
+    def __init__(self, parts: tuple[str, ...] = (REQUESTS, ENGINE)) -> None:
         self.registry = CollectorRegistry()
+        self._http = None
+        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled children
         r = self.registry
-        self.requests = Counter("encoder_requests", "Requests by method and final gRPC status",
-                                ["method", "code"], registry=r)
-        self.sequences = Counter("encoder_sequences", "Sequences encoded", registry=r)
+        if REQUESTS in parts:
+            self.requests = Counter("encoder_requests", "Requests by method and final gRPC status",
+                                    ["method", "code"], registry=r)
+            self.sequences = Counter("encoder_sequences", "Sequences encoded", registry=r)
+            self.total_seconds = Histogram("encoder_request_seconds", "Request received -> response built",
+                                           ["method"], buckets=_LATENCY, registry=r)
+        self.ready = _Off()
+        if ENGINE not in parts:
+            return
         self.queue_seconds = Histogram("encoder_queue_seconds", "Admitted -> batch start", buckets=_LATENCY, registry=r)
         self.session_run_cpu = Counter("encoder_session_run_cpu_seconds", "CPU time of the calling (batcher) "
                                        "threads inside session.run; ONNX Runtime's pool threads not included",
                                        registry=r)
         self.inference_seconds = Histogram("encoder_inference_seconds", "session.run of one batch",
                                            buckets=_LATENCY, registry=r)
-        self.total_seconds = Histogram("encoder_request_seconds", "Request received -> response built",
-                                       ["method"], buckets=_LATENCY, registry=r)
         self.batch_size = Histogram("encoder_batch_size", "Rows per session.run", buckets=_BATCH, registry=r)
         self.batch_tokens = Histogram("encoder_batch_tokens", "Rows x padded length per session.run",
                                       buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
@@ -39,8 +60,6 @@ class Metrics:
         self.model_memory = Gauge("encoder_model_memory_bytes", "Each loaded model's share of the memory budget "
                                   "(--memory-budget-mb)", ["model"], registry=r)
         self.model_ready = Gauge("encoder_model_ready", "1 while the model serves", ["model"], registry=r)
-        self._http = None
-        self._children: dict[tuple[str, str], tuple] = {}  # (method, code) -> its labelled children
         self._depths: dict[str, int] = {}  # queued requests per model (`observer`), read at scrape time
         self.queue_depth.set_function(lambda: sum(self._depths.values()))
 
@@ -103,8 +122,13 @@ class Metrics:
             except KeyError:
                 pass
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Starts /metrics; returns the bound port (port 0: the OS chooses)."""
+    def serve_http(self, host: str, port: int, front_ends_dir: str = "") -> int:
+        """Starts /metrics; returns the bound port (port 0: the OS chooses). `front_ends_dir`: the front-end
+        processes' multiprocess folder, whose request counts are added (summed over the processes)."""
+        if front_ends_dir:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            MultiProcessCollector(self.registry, path=front_ends_dir)
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         return int(self._http.server_port)
 

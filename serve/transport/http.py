@@ -85,7 +85,7 @@ class HttpRpc(Rpc):
 class HttpTransport:
     name = "http"
 
-    def __init__(self, host: str, port: int, router, *, auth_token: str, max_body_bytes: int,
+    def __init__(self, host: str, port: int, router, *, auth_token: str, max_body_bytes: int, reuse_port: bool = False,
                  tls_files: tuple[str, str, str] | None, keep_alive_s: float = 75.0, header_timeout_s: float = 60.0,
                  body_timeout_s: float = 60.0, max_connections: int = 1024) -> None:
         import uvicorn
@@ -99,6 +99,8 @@ class HttpTransport:
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets made so (http_connections sets it too)
         self._socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # front-end processes share the port (serve/assembly/front_ends.py): the kernel spreads them
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             self._socket.bind((host, port))
         except OSError as error:

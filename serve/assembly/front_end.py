@@ -1,0 +1,144 @@
+"""A front-end process (`--front-ends N`; the design: serve/assembly/front_ends.py): the server's whole request
+path (EncoderServer: its transports on the server's shared ports, the protocols, admission, tokenization,
+every check, the answers) over models that run in the engine process.
+
+  RemoteRepository  the engine's repository, called over the wire (load, unload, index, reload)
+  Mirror            the engine's news, applied here: the served models (an Engine each, whose rows run in the
+                    engine: serve/core/remote.py), the models loading or unloading, the drain delay, the drain
+  serve_front_end   the process: up, listening and serving, told the engine; it drains when the engine drains
+                    (or on its own SIGTERM) and exits 0; when the engine is gone (its pipe closed) it answers
+                    every call it holds UNAVAILABLE and exits 1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from serve import logs
+from serve.config import ServerConfig
+from serve.core.engine import Engine, Reloaded
+from serve.core.model_index import IndexEntry
+from serve.core.remote import EngineLink, remote_engine
+from serve.errors import ServeError, Unavailable
+
+log = logging.getLogger("serve.assembly.front_end")
+
+MODELS_TIMEOUT_S = 300.0  # the engine tells a new front end its models at once; this bounds a lost message
+ORPHAN_GRACE_S = 2.0  # the engine gone: what a front end still answers (UNAVAILABLE) before it stops listening
+
+
+class RemoteRepository:
+    """The engine's model repository, as serve/core/model_index.py's Repository (and the reload calls)."""
+
+    def __init__(self, link: EngineLink, mirror: "Mirror") -> None:
+        self._link, self._mirror = link, mirror
+
+    def load_all(self) -> dict[str, Engine]:
+        """The models the engine serves, once it has told them (a front end starts after its engine loaded)."""
+        if not self._mirror.told.wait(MODELS_TIMEOUT_S):
+            raise Unavailable(f"the engine did not tell its models within {MODELS_TIMEOUT_S:g} s")
+        return self._mirror.engines()
+
+    def index(self) -> list[IndexEntry]:
+        return [IndexEntry(**entry) for entry in self._link.call("index")]
+
+    def load(self, name: str) -> Reloaded:
+        return Reloaded(**self._link.call("load", name=name))
+
+    def unload(self, name: str) -> None:
+        self._link.call("unload", name=name)
+
+    def reload(self, model: str = "", export_dir: str = "", graph: str = "") -> Reloaded:
+        return Reloaded(**self._link.call("reload", model=model, export_dir=export_dir, graph=graph))
+
+    def reload_all(self) -> list[Reloaded]:
+        return [Reloaded(**r) for r in self._link.call("reload_all")]
+
+
+class Mirror:
+    """Applies the engine's "models" messages to this front end's admission (module docstring)."""
+
+    def __init__(self, link: EngineLink, config: ServerConfig) -> None:
+        self._link, self._config = link, config
+        self.server = None  # the EncoderServer, set once it is made
+        self.told = threading.Event()
+        self.drain = threading.Event()  # the engine drains: so does this front end
+        self._built: dict[tuple, Engine] = {}  # (name, sha256, path, graph) -> its engine here
+        self._current: dict[str, Engine] = {}
+
+    def engines(self) -> dict[str, Engine]:
+        return dict(self._current)
+
+    def __call__(self, header: dict) -> None:
+        engines = {}
+        for spec in header["models"]:
+            key = (spec["name"], spec["sha256"], spec["path"], spec["graph"])
+            engine = self._built.get(key)
+            if engine is None:
+                try:
+                    engine = self._built[key] = remote_engine(spec, self._link, self._config)
+                except ServeError as error:  # the export changed on disk since the engine read it: skip it
+                    logs.event(log, "model_view_failed", logging.ERROR, model=spec["name"], error=error.message)
+                    continue
+            engines[spec["name"]] = engine
+        self._built = {key: engine for key, engine in self._built.items() if engines.get(key[0]) is engine}
+        self._current = engines
+        server = self.server
+        if server is not None:
+            server.admission.mirror(header["leaving"], engines, header["changing"])
+            if header["leaving"]:
+                server.not_ready()
+        self.told.set()
+        if header["state"] in ("draining", "stopped"):
+            self.drain.set()
+
+
+def serve_front_end(config: ServerConfig) -> int:
+    """A front-end process's life (module docstring); its exit code."""
+    from serve.assembly.app import create_server
+
+    logs.setup(config.log_level)
+    logs.event(log, "front_end", index=config.front_end_index)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the engine, which drains us
+    signal.signal(signal.SIGTERM, lambda signum, frame: mirror.drain.set())
+    link = EngineLink(config.ipc_dir, config.front_end_index)
+    mirror = Mirror(link, config)
+    link.on("models", mirror)
+    engine_gone = threading.Event()
+
+    def watch_engine() -> None:  # the engine never writes our stdin: its end is the engine's end
+        while os.read(0, 4096):
+            pass
+        engine_gone.set()
+        mirror.drain.set()
+
+    try:
+        server, _ = create_server(config, link=link, mirror=mirror)
+    except (RuntimeError, ServeError) as error:
+        logs.event(log, "startup_failed", logging.ERROR, error=getattr(error, "message", str(error)))
+        return 1
+    mirror.server = server
+    link.start()
+    threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
+    server.start()
+    link.tell("hello")
+    try:
+        server.load()
+    except ServeError as error:
+        logs.event(log, "startup_failed", logging.ERROR, error=error.message)
+        server.shutdown(0)
+        return 1
+    link.tell("listening", transport=server.transport.name, port=server.port,
+              http_port=server.http.port if server.http is not None else None)
+    mirror.drain.wait()
+    if engine_gone.is_set():
+        failed = link.fail_all(Unavailable("the server's engine process ended; retry on another replica"))
+        logs.event(log, "engine_gone", logging.ERROR, failed=failed)
+        server.shutdown(ORPHAN_GRACE_S)  # new calls meanwhile: UNAVAILABLE (admission), never a dropped connection
+        return 1
+    drained = server.shutdown()
+    link.stop()
+    return 0 if drained else 1

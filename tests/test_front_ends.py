@@ -1,0 +1,246 @@
+"""The server on several processes (`--front-ends N`, serve/assembly/front_ends.py): one engine process holds the
+models, N front-end processes run the request path on the server's shared ports. From outside it is still one
+server: the same answers as one process, one /metrics whose counts add up every process, a repository change
+made through one front end seen through all, a front end that dies replaced (only its own calls fail), an
+engine that dies failing every call at once and taking the server down, a drain under load that loses nothing,
+and the weights held once, by the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from client import EncoderClient, build_request, parse_response
+from serve.protocols.pb import pb_grpc
+from tests.reliability_common import assert_sigterm_under_load_answers_every_accepted_request, wait_until
+
+FRONT_ENDS = "2"
+ATOL = 1e-6  # the same graph and session options in both servers; only the batches around a row may differ
+
+
+class Connection:
+    """A client on a connection of its own (grpc shares one per target otherwise): the kernel hands each new
+    connection to one of the front ends (SO_REUSEPORT)."""
+
+    def __init__(self, server) -> None:
+        self.channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.EncoderServiceStub(self.channel)
+
+    def encode(self, sequences, model: str = "", **options):
+        request = build_request(list(sequences), **options)
+        request.model = model
+        return parse_response(self.stub.Encode(request, timeout=30))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _channels(server, count: int) -> list[Connection]:
+    return [Connection(server) for _ in range(count)]
+
+
+def _metrics(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def _counter(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def pair(serve_start, serve_export_dir):
+    """The same export served by one process and by an engine with two front ends."""
+    return serve_start(serve_export_dir), serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
+
+
+def test_the_front_ends_are_their_own_processes_beside_the_engine(pair):
+    _, front = pair
+    assert len(front.front_ends) == 2 and front.proc.pid not in front.front_ends
+    assert all(Path(f"/proc/{pid}").exists() for pid in front.front_ends)
+
+
+def test_answers_through_front_ends_equal_one_processs(pair):
+    one, front = pair
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(1, 100, n) for n in (1, 7, 33, 128)]
+    expected = EncoderClient(one.target, retries=0).encode(sequences, hidden_states=True)
+    for client in _channels(front, 4):  # whichever front end each connection reaches
+        with client:
+            got = client.encode(sequences, hidden_states=True)
+        np.testing.assert_allclose(got.embeddings, expected.embeddings, atol=ATOL, rtol=0)
+        for g, e in zip(got.hidden_states, expected.hidden_states):
+            np.testing.assert_allclose(g, e, atol=ATOL, rtol=0)
+        assert got.token_counts == expected.token_counts
+    body = {"input": [[5, 17, 42, 7]], "dimensions": 16}
+    (status_one, one_json), (status_front, front_json) = _post(one, "/v1/embeddings", body), \
+        _post(front, "/v1/embeddings", body)
+    assert status_one == status_front == 200
+    np.testing.assert_allclose(front_json["data"][0]["embedding"], one_json["data"][0]["embedding"], atol=ATOL)
+
+
+def test_a_refusal_is_the_same_through_a_front_end(pair):
+    one, front = pair
+    refusals = []
+    for server in (one, front):
+        with EncoderClient(server.target, retries=0) as client, pytest.raises(grpc.RpcError) as refused:
+            client.encode([[1, 2, 999]])
+        refusals.append((refused.value.code(), refused.value.details()))
+    assert refusals[0] == refusals[1] and refusals[0][0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_metrics_add_up_every_front_ends_requests_on_the_engines_port(pair):
+    _, front = pair
+    before = _counter(_metrics(front), "encoder_requests_total", method="Encode", code="OK")
+    clients = _channels(front, 6)
+    for client in clients:
+        for _ in range(5):
+            client.encode([[1, 2, 3]])
+        client.close()
+    text = _metrics(front)
+    assert _counter(text, "encoder_requests_total", method="Encode", code="OK") == before + 30
+    assert _counter(text, "encoder_ready") == 1.0  # the engine's own, once (no front end reports one)
+    assert "encoder_batch_size_count" in text
+
+
+def test_the_weights_are_held_by_the_engine_only(pair):
+    _, front = pair
+    engine_maps = Path(f"/proc/{front.proc.pid}/maps").read_text()
+    assert "libonnxruntime" in engine_maps or "onnxruntime_pybind11_state" in engine_maps
+    for pid in front.front_ends:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "onnxruntime" not in maps, "a front end loaded ONNX Runtime"
+        assert ".onnx" not in maps, "a front end mapped a graph file"
+
+
+@pytest.fixture
+def repository_pair(serve_start, serve_export_dir, tmp_path):
+    """A repository of two models (the test export twice), served by an engine with two front ends."""
+    import shutil
+
+    for name in ("a", "b"):
+        shutil.copytree(serve_export_dir, tmp_path / name)
+    return serve_start(Path(tmp_path / "unused"), "--model-repository", str(tmp_path), "--front-ends", FRONT_ENDS)
+
+
+def test_an_unload_through_one_front_end_is_seen_through_every_one(repository_pair):
+    server = repository_pair
+    status, _ = _post(server, "/v2/repository/models/b/unload", {})
+    assert status == 200
+    for client in _channels(server, 6):  # every front end now refuses b, and serves a
+        with client:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.encode([[1, 2]], model="b")
+            assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+            assert client.encode([[1, 2]], model="a").embeddings.shape == (1, 32)
+    status, _ = _post(server, "/v2/repository/models/b/load", {})
+    assert status == 200
+    for client in _channels(server, 6):
+        with client:
+            assert wait_until(lambda: _serves(client, "b"), 30)
+
+
+def _serves(client: Connection, model: str) -> bool:
+    try:
+        return client.encode([[1, 2]], model=model).embeddings.shape == (1, 32)
+    except grpc.RpcError:
+        return False
+
+
+def _load(server, stop: threading.Event, outcomes: list, lock: threading.Lock, clients: int = 6) -> list:
+    def run(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Connection(server) as client:
+            while not stop.is_set():
+                ids = rng.integers(1, 100, 8)
+                try:
+                    out = client.encode([ids])
+                    result = "OK" if out.embeddings.shape == (1, 32) else "WRONG"
+                except grpc.RpcError as error:
+                    result = error.code().name
+                with lock:
+                    outcomes.append(result)
+                if result != "OK":  # this client's server went away: it stops, as a client without retries
+                    return
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_killed_front_end_is_replaced_and_only_calls_it_held_fail(serve_start, serve_export_dir):
+    server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
+    stop, lock, outcomes = threading.Event(), threading.Lock(), []
+    threads = _load(server, stop, outcomes, lock)
+    assert wait_until(lambda: outcomes.count("OK") >= 50, 60)
+    victim = server.front_ends[0]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(lambda: "event=front_end_started index=0" in server.log().split("front_end_died", 1)[-1], 60)
+    with lock:
+        seen = len(outcomes)
+    assert wait_until(lambda: len(outcomes) >= seen + 50, 60)  # the load goes on
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    assert "WRONG" not in outcomes
+    assert set(outcomes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, set(outcomes)
+    for client in _channels(server, 4):  # new connections, whichever front end takes them, are served
+        with client:
+            assert client.encode([[1, 2, 3]]).embeddings.shape == (1, 32)
+    assert "front_end_died" in server.log() and server.proc.poll() is None
+
+
+def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_start, serve_export_dir):
+    server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
+    stop, lock, outcomes = threading.Event(), threading.Lock(), []
+    threads = _load(server, stop, outcomes, lock)
+    assert wait_until(lambda: outcomes.count("OK") >= 50, 60)
+    server.proc.kill()
+    server.proc.wait(10)
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
+                                      "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                                      for pid in server.front_ends), 60), "a front end outlived its engine"
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    assert "WRONG" not in outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"}, set(outcomes)
+    assert "event=engine_gone" in server.log()
+
+
+def test_sigterm_under_load_through_front_ends_answers_every_accepted_call(serve_start, serve_export_dir):
+    codes = assert_sigterm_under_load_answers_every_accepted_request(serve_start, serve_export_dir,
+                                                                     "--front-ends", FRONT_ENDS)
+    assert codes.count(("OK", "")) >= 30
