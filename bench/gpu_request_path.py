@@ -1,0 +1,269 @@
+"""The request path on a GPU host (issue 40): does the server keep the GPU busy? One command, under 8 minutes:
+
+    python -m bench.gpu_request_path [--front-ends 0,8] [--seconds 30] [--clients 256] [--out FILE]
+
+1. A BERT-base-shaped model (12 layers, 768 wide, 12 heads, random weights; bert-base-uncased's vocabulary
+   through the packaged all-MiniLM-L6-v2 tokenizer, which is its own) is written as a Hugging Face directory
+   and exported with its tokenizer, fp16 graph included (`python -m export --from-pretrained`), once.
+2. The same fp16 graph in process: ONNX Runtime alone, at the run shapes the server ran (its mean rows per
+   run, the texts' token count), tokens/s.
+3. The server (`--device cuda --graph fp16`, each `--front-ends N` asked for) under `--clients` closed-loop
+   clients sending one 50-token text each, back to back, for `--seconds`, over gRPC (Encode with texts) and
+   over HTTP (OpenAI's /v1/embeddings): the clients run in 8 processes of their own, each client on its own
+   connection. Reported: the server's tokens/s against in-process tokens/s (goal: >= 0.7), p50/p99, rows per
+   session.run, the server's CPU per request (every process of it), and the GPU's busy fraction
+   (nvidia-smi's utilization, sampled every 200 ms).
+
+`--device cpu --quick` runs the same steps on a tiny model in under a minute (a check of the script, not a
+measure). Traffic goes to 127.0.0.1 only, bounded in time. The figures go to docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.harness import REPO, latency_summary, metric_sum, running_server, scrape_metrics
+
+BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+WORDS = ("the quick brown fox jumps over a lazy dog while the river runs past old stone walls and green "
+         "fields under a wide grey sky").split()
+PROCESSES = 8  # client processes: one Python process cannot send for 256 clients without being the limit
+
+
+def text_of(tokens: int, seed: int) -> str:
+    """A text of about `tokens` word-piece tokens (the words above are one token each)."""
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, tokens - 2))
+
+
+def make_export(workdir: Path, shape: dict, device: str) -> Path:
+    """The BERT-shaped random-init checkpoint with the packaged MiniLM tokenizer, exported (once)."""
+    export = workdir / "exports" / "bert-shaped"
+    if (export / "metadata.json").is_file():
+        return export
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from model.hf_pretrained import minilm_path
+
+    checkpoint = workdir / "bert-shaped"
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, max_position_embeddings=512, **shape)
+    BertModel(config).save_pretrained(checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        source = minilm_path() / name
+        if source.is_file():
+            shutil.copy(source, checkpoint / name)
+    graphs = "fp32,fp16" if device == "cuda" else "fp32,optimized"
+    subprocess.run([sys.executable, "-m", "export", "--from-pretrained", str(checkpoint), "--graphs", graphs,
+                    "--out-dir", str(export.parent), "--name", export.name, "--quiet"], cwd=REPO, check=True)
+    return export
+
+
+def in_process_tokens_per_s(export: Path, device: str, rows: int, length: int, seconds: float) -> float:
+    """ONNX Runtime alone on the served graph: tokens/s at (rows, length), run back to back."""
+    from serve.backend.export_dir import load_export
+    from serve.backend.session import OnnxRuntimeBackend, dummy_batch
+
+    graph = "fp16" if device == "cuda" else "optimized"
+    backend = OnnxRuntimeBackend(load_export(export, graph), device=device)
+    batch = dummy_batch(backend.export.config, rows, length)
+    for _ in range(5):
+        backend.encode(batch)
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        backend.encode(batch)
+        runs += 1
+    return runs * rows * length / (time.perf_counter() - started)
+
+
+def _client_process(protocol: str, target: str, http_target: str, model: str, clients: int, tokens: int, seconds: float,
+                    start_at: float, out) -> None:
+    """One client process: `clients` threads, each its own connection, back to back until the window ends."""
+    lock, latencies, errors = threading.Lock(), [], [0]
+    end = start_at + seconds
+
+    def run(seed: int) -> None:
+        text = text_of(tokens, seed)
+        if protocol == "grpc":
+            import grpc
+
+            from client import build_request
+            from serve.protocols.pb import pb_grpc
+
+            channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+            stub, request = pb_grpc.EncoderServiceStub(channel), build_request((), texts=[text])
+            request.model = model
+
+            def call() -> None:
+                stub.Encode(request, timeout=60.0)
+        else:
+            import http.client
+
+            import orjson
+
+            host, port = http_target.rsplit(":", 1)
+            connection = http.client.HTTPConnection(host, int(port), timeout=60.0)
+            body = orjson.dumps({"model": model, "input": [text]})
+
+            def call() -> None:
+                connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+                answer = connection.getresponse()
+                answer.read()
+                if answer.status != 200:
+                    raise RuntimeError(f"HTTP {answer.status}")
+
+        while time.time() < start_at:
+            time.sleep(0.001)  # a deliberate wait for the common start (a measuring window, not an ordering)
+        while time.time() < end:
+            t0 = time.perf_counter()
+            try:
+                call()
+            except Exception:
+                with lock:
+                    errors[0] += 1
+                continue
+            with lock:
+                latencies.append((time.perf_counter() - t0) * 1e3)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out.put((latencies, errors[0]))
+
+
+class GpuBusy:
+    """nvidia-smi's GPU utilization sampled every 200 ms while it runs (None without nvidia-smi)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._process = None
+
+    def __enter__(self) -> "GpuBusy":
+        if shutil.which("nvidia-smi"):
+            self._process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                              "--format=csv,noheader,nounits", "-lms", "200"],
+                                             stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            try:
+                self.samples.append(float(line.strip()) / 100.0)
+            except ValueError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(10)
+
+    @property
+    def fraction(self) -> float | None:
+        return float(np.mean(self.samples)) if self.samples else None
+
+
+def server_load(export: Path, device: str, front_ends: int, protocol: str, clients: int, tokens: int,
+                seconds: float) -> dict:
+    flags = ["--device", device, "--graph", "fp16" if device == "cuda" else "optimized", "--metrics-port", "0",
+             "--metrics-host", "127.0.0.1", "--http-port", "0", "--max-queue-size", str(4 * clients),
+             *(["--front-ends", str(front_ends)] if front_ends else [])]
+    with running_server(export, flags) as server:
+        import psutil
+
+        processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        queue = multiprocessing.get_context("spawn").Queue()
+        per = [clients // PROCESSES + (1 if i < clients % PROCESSES else 0) for i in range(PROCESSES)]
+        start_at = time.time() + 3.0  # every client connected and warm
+        workers = [multiprocessing.get_context("spawn").Process(
+            target=_client_process, args=(protocol, server.target, f"127.0.0.1:{server.http_port}", "", n, tokens,
+                                          seconds + 2.0, start_at, queue)) for n in per if n]
+        for worker in workers:
+            worker.start()
+        while time.time() < start_at + 2.0:  # the first 2 s of the load are warm-up
+            time.sleep(0.05)
+        cpu0 = sum(p.cpu_times().user + p.cpu_times().system for p in processes)
+        scrape0 = scrape_metrics(server.metrics_port)
+        with GpuBusy() as busy:
+            time.sleep(seconds)
+        cpu1 = sum(p.cpu_times().user + p.cpu_times().system for p in processes)
+        scrape1 = scrape_metrics(server.metrics_port)
+        results = [queue.get(timeout=120) for _ in workers]
+        for worker in workers:
+            worker.join(60)
+
+    def delta(name: str) -> float:
+        return metric_sum(scrape1, name) - metric_sum(scrape0, name)
+
+    requests = delta("encoder_sequences_total")
+    runs = delta("encoder_batch_size_count")
+    latencies = [lat for lats, _ in results for lat in lats]
+    return {"front_ends": front_ends, "protocol": protocol, "clients": clients, "seconds": seconds,
+            "requests_per_s": requests / seconds, "tokens_per_s": requests * tokens / seconds,
+            "rows_per_run": requests / runs if runs else None, **latency_summary(latencies),
+            "errors": sum(e for _, e in results), "gpu_busy": busy.fraction,
+            "server_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(requests, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_request_path", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--front-ends", default="", help="comma-separated (default: 0 and min(8, CPUs // 2))")
+    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=50, help="tokens per text, special tokens included")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--workdir", default="bench-results/gpu-request-path")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 16 clients, 4 s: checks the script")
+    parser.add_argument("--out", default="bench-results/gpu_request_path.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.seconds = min(args.clients, 16), min(args.seconds, 4.0)
+    counts = [int(n) for n in args.front_ends.split(",")] if args.front_ends else \
+        [0, max(1, min(8, (os.cpu_count() or 2) // 2))]
+    workdir = Path(args.workdir) / ("quick" if args.quick else "bert-base")
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    export = make_export(workdir, TINY if args.quick else BERT_BASE, args.device)
+    print(f"export {export} ready after {time.monotonic() - started:.0f} s", flush=True)
+    rows = []
+    for count in counts:
+        for protocol in ("grpc", "http"):
+            r = server_load(export, args.device, count, protocol, args.clients, args.tokens, args.seconds)
+            rows.append(r)
+            print(f"front ends {count} {protocol:4s}: {r['tokens_per_s']:9.0f} tokens/s  {r['requests_per_s']:7.0f} "
+                  f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
+                  f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "
+                  f"server CPU {r['server_cpu_ms_per_request']:.3f} ms/req  errors {r['errors']}", flush=True)
+    for r in rows:  # in process at the shape the server ran (its rows per run, the texts' tokens)
+        shape_rows = max(1, round(r["rows_per_run"] or 1))
+        r["in_process_tokens_per_s"] = in_process_tokens_per_s(export, args.device, shape_rows, args.tokens,
+                                                               min(10.0, args.seconds / 3))
+        r["server_over_in_process"] = r["tokens_per_s"] / r["in_process_tokens_per_s"]
+        print(f"front ends {r['front_ends']} {r['protocol']:4s}: server / in process "
+              f"{r['server_over_in_process']:.2f} (in process {r['in_process_tokens_per_s']:.0f} tokens/s at "
+              f"{shape_rows} x {args.tokens})", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": args.device, "quick": args.quick, "cpus": os.cpu_count(), "rows": rows,
+                               "seconds_total": time.monotonic() - started}, indent=2))
+    print(f"wrote {out} after {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
