@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -273,6 +274,20 @@ class _StopSignals:
             pass  # another signal's byte (SIGHUP: its own handler reloads)
 
 
+def reload_on_sighup(repository) -> None:
+    """SIGHUP re-reads every served model (on a thread of its own); a refusal keeps that model, logged."""
+    def reload(signum, frame) -> None:
+        def run() -> None:
+            try:
+                repository.reload_all()
+            except ServeError as error:
+                logs.event(log, "sighup_reload_failed", logging.ERROR, error=error.message)
+
+        threading.Thread(target=run, name="sighup-reload", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, reload)
+
+
 def serve(config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code. With --front-ends N this process is the
     engine and starts the front ends (serve/assembly/front_ends.py); a front end is started with its role."""
@@ -295,20 +310,17 @@ def serve(config: ServerConfig) -> int:
         logs.event(log, "startup_failed", logging.ERROR, error=error.message)
         return 1
 
-    def reload_on_hup(signum, frame) -> None:  # re-read every served model; a refusal keeps that model
-        def run() -> None:
-            try:
-                server.repository.reload_all()
-            except ServeError as error:
-                logs.event(log, "sighup_reload_failed", logging.ERROR, error=error.message)
-
-        threading.Thread(target=run, name="sighup-reload", daemon=True).start()
-
-    signal.signal(signal.SIGHUP, reload_on_hup)
+    reload_on_sighup(server.repository)
     server.start()
+    return run_until_signalled(server, server.load, stop, config)
+
+
+def run_until_signalled(server, load: Callable[[], None], stop: "_StopSignals", config: ServerConfig) -> int:
+    """`load()`, then serve until SIGTERM/SIGINT: the drain delay, then the drain. A failed load stops the
+    server (health never said SERVING) and exits 1; a drain that answered everything exits 0."""
     try:
-        server.load()
-    except Exception as error:  # never half-started: health was never SERVING; stop and exit 1
+        load()
+    except Exception as error:
         message = error.message if isinstance(error, ServeError) else f"{type(error).__name__}: {error}"
         logs.event(log, "startup_failed", logging.ERROR, error=message)
         server.shutdown(0)

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -43,36 +42,17 @@ from serve.assembly.loading import default_backend
 from serve.assembly.repository import ModelRepository
 from serve.config import ServerConfig, config_environment
 from serve.core import ipc
-from serve.core.admission import Admission
+from serve.core.admission import Admission, Held
 from serve.core.metrics import ENGINE, Metrics
 from serve.core.remote import model_spec
 from serve.errors import ServeError, Unavailable
 
 log = logging.getLogger("serve.assembly.front_ends")
 
-POLL_S = 0.25
 CALL_THREADS = 4  # repository calls at once (a second load is refused at once anyway)
 RESTART_S = (0.2, 10.0)  # a dead front end's restart delay: first, and at most (doubling)
 LISTEN_TIMEOUT_S = 300.0  # a front end's start: imports, its tokenizers, its transports
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-class _Held:
-    """One front end's request as admission counts a call (`add_callback`): in flight until `end()`."""
-
-    __slots__ = ("_callbacks",)
-
-    def __init__(self) -> None:
-        self._callbacks: list = []
-
-    def add_callback(self, callback) -> bool:
-        self._callbacks.append(callback)
-        return True
-
-    def end(self) -> None:
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class EngineService:
@@ -117,34 +97,23 @@ class EngineService:
         self._context.term()
 
     def _loop(self) -> None:
-        logs.name_thread("engine-service")
-        while not self._stopping:
-            try:
-                message = ipc.receive(self._inbox, POLL_S)
-            except Exception as error:
-                if not self._stopping:
-                    logs.event(log, "service_failed", logging.ERROR, error=repr(error))
-                return
-            if message is None:
-                continue
-            header, frames = message
-            kind = header.get("k")
-            try:
-                if kind == "work":
-                    self._work(header["fe"], header, frames)
-                elif kind == "cancel":
-                    ticket = self._tickets.get((header["fe"], header["id"]))
-                    if ticket is not None:
-                        ticket.cancel()
-                elif kind == "call":
-                    self._pool.submit(self._call, header)
-                elif kind in self._events:
-                    self._events[kind](header)
-            except Exception as error:  # the service must survive anything one message does
-                logs.event(log, "service_message_failed", logging.ERROR, kind=kind, error=repr(error))
+        ipc.receive_loop(self._inbox, lambda: self._stopping, self._handle, log, "engine-service")
+
+    def _handle(self, header: dict, frames: list) -> None:
+        kind = header.get("k")
+        if kind == "work":
+            self._work(header["fe"], header, frames)
+        elif kind == "cancel":
+            ticket = self._tickets.get((header["fe"], header["id"]))
+            if ticket is not None:
+                ticket.cancel()
+        elif kind == "call":
+            self._pool.submit(self._call, header)
+        elif kind in self._events:
+            self._events[kind](header)
 
     def _work(self, front_end: int, header: dict, frames: list) -> None:
-        call_id, key, held = header["id"], (front_end, header["id"]), _Held()
+        call_id, key, held = header["id"], (front_end, header["id"]), Held()
         try:
             engine = self._admission.admit(held, model=header["model"])
             work, rows = ipc.read_work(header, frames)
@@ -390,25 +359,8 @@ def serve_engine(config: ServerConfig, stop) -> int:
         logs.event(log, "startup_failed", logging.ERROR, error=getattr(error, "message", str(error)))
         return 1
 
-    def reload_on_hup(signum, frame) -> None:  # re-read every served model; each front end is told
-        def run() -> None:
-            try:
-                server.repository.reload_all()
-            except ServeError as error:
-                logs.event(log, "sighup_reload_failed", logging.ERROR, error=error.message)
+    from serve.assembly.app import reload_on_sighup, run_until_signalled
 
-        threading.Thread(target=run, name="sighup-reload", daemon=True).start()
-
-    signal.signal(signal.SIGHUP, reload_on_hup)
-    try:
-        server.start()
-    except Exception as error:
-        message = error.message if isinstance(error, ServeError) else f"{type(error).__name__}: {error}"
-        logs.event(log, "startup_failed", logging.ERROR, error=message)
-        server.shutdown(0)
-        return 1
-    stop.wait()
-    logs.event(log, "signal_received")
-    server.leave(config.drain_delay_s)
-    return 0 if server.shutdown() else 1
+    reload_on_sighup(server.repository)  # each front end is told what changed (Admission.on_change)
+    return run_until_signalled(server, server.start, stop, config)
 

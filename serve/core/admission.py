@@ -251,3 +251,22 @@ class Admission:
 
     def stopped(self) -> None:
         self.state = "stopped"
+
+
+class Held:
+    """A call with no transport context of its own (an EncodeStream message, a front end's request in the
+    engine), as `admit` counts it: in flight until `end()`."""
+
+    __slots__ = ("_callbacks",)
+
+    def __init__(self) -> None:
+        self._callbacks: list = []
+
+    def add_callback(self, callback) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()

@@ -22,6 +22,7 @@ head scores. numpy views the received frames in place (np.frombuffer).
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from serve.errors import ServeError, by_name
 
 ENGINE_SOCKET = "engine.sock"
 HIGH_WATER = 100_000  # messages a socket holds for a peer that is slow or restarting
+POLL_S = 0.25  # how often a receiving thread looks up from its socket (to notice a stop)
 
 
 def front_end_socket(index: int) -> str:
@@ -188,3 +190,25 @@ def receive(socket, timeout_s: float) -> tuple[dict, list] | None:
         return None
     frames = socket.recv_multipart(copy=False)
     return orjson.loads(frames[0].bytes), [frame.buffer for frame in frames[1:]]
+
+
+def receive_loop(socket, stopping, handle, log, thread: str) -> None:
+    """Hands each message of `socket` to `handle(header, frames)` until `stopping()`; a message that fails is
+    logged and the loop goes on (one process's wire must survive anything one message does)."""
+    from serve import logs
+
+    logs.name_thread(thread)
+    while not stopping():
+        try:
+            message = receive(socket, POLL_S)
+        except Exception as error:  # the socket was closed under us: stopping
+            if not stopping():
+                logs.event(log, "wire_failed", logging.ERROR, thread=thread, error=repr(error))
+            return
+        if message is None:
+            continue
+        try:
+            handle(*message)
+        except Exception as error:
+            logs.event(log, "wire_message_failed", logging.ERROR, thread=thread, kind=message[0].get("k"),
+                       error=repr(error))

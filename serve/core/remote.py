@@ -19,7 +19,6 @@ import random
 import threading
 from typing import Callable
 
-from serve import logs
 from serve.backend.export_dir import load_export
 from serve.backend.feeds import Rows
 from serve.backend.session import BackendInfo
@@ -34,7 +33,6 @@ from serve.errors import DeadlineExceeded, ServeError, Unavailable, by_name
 log = logging.getLogger("serve.core.remote")
 
 CALL_TIMEOUT_S = 600.0  # a control call (a load takes as long as the model's export is big)
-POLL_S = 0.25
 
 
 class RemoteTicket(Ticket):
@@ -123,36 +121,25 @@ class EngineLink:
 
     # -- in ------------------------------------------------------------------------------------------
     def _receive(self) -> None:
-        logs.name_thread("engine-link")
-        while not self._stopping:
-            try:
-                message = ipc.receive(self._in, POLL_S)
-            except Exception as error:  # the context was closed under us: stopping
-                if not self._stopping:
-                    logs.event(log, "link_failed", logging.ERROR, error=repr(error))
-                return
-            if message is None:
-                continue
-            header, frames = message
-            kind = header.get("k")
-            try:
-                if kind == "done":
-                    ticket = self._pending.pop(header["id"], None)
-                    if ticket is not None:  # else: an answer to an earlier incarnation, or cancelled and dropped
-                        outcome = ipc.read_result(header, frames, ticket.request, ticket.rows)
-                        if isinstance(outcome, ServeError):
-                            ticket._finish(error=outcome)
-                        else:
-                            ticket._finish(outcome)
-                elif kind == "reply":
-                    reply = self._replies.get(header["id"])
-                    if reply is not None:
-                        reply[1] = by_name(*header["error"]) if "error" in header else header.get("value")
-                        reply[0].set()
-                elif kind in self._handlers:
-                    self._handlers[kind](header)
-            except Exception as error:  # the link must survive anything one message does
-                logs.event(log, "link_message_failed", logging.ERROR, kind=kind, error=repr(error))
+        ipc.receive_loop(self._in, lambda: self._stopping, self._handle, log, "engine-link")
+
+    def _handle(self, header: dict, frames: list) -> None:
+        kind = header.get("k")
+        if kind == "done":
+            ticket = self._pending.pop(header["id"], None)
+            if ticket is not None:  # else: an answer to an earlier incarnation, or cancelled and dropped
+                outcome = ipc.read_result(header, frames, ticket.request, ticket.rows)
+                if isinstance(outcome, ServeError):
+                    ticket._finish(error=outcome)
+                else:
+                    ticket._finish(outcome)
+        elif kind == "reply":
+            reply = self._replies.get(header["id"])
+            if reply is not None:
+                reply[1] = by_name(*header["error"]) if "error" in header else header.get("value")
+                reply[0].set()
+        elif kind in self._handlers:
+            self._handlers[kind](header)
 
 
 class RemoteBatcher:

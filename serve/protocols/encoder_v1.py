@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Iterator
 
+from serve.core.admission import Held
 from serve.core.pooling import POOLINGS
 from serve.core.requests import EncodeResult, mask_choice
 from serve.core.tasks import classify, encode, rerank, sparse, tokens
@@ -152,22 +153,6 @@ def sparse_response(msg: "pb.EmbedSparseRequest", result: sparse.SparseVectors, 
 _DRAINING = object()  # EncodeStream: the server began to drain
 
 
-class _Message:
-    """One EncodeStream message as admission counts a call (`add_callback`): in flight until `end()`."""
-
-    __slots__ = ("_callbacks",)
-
-    def __init__(self) -> None:
-        self._callbacks: list = []
-
-    def add_callback(self, callback) -> bool:
-        self._callbacks.append(callback)
-        return True
-
-    def end(self) -> None:
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 SERVICE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name  # "encoder.v1.EncoderService"
 
 
@@ -237,7 +222,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                         try:
                             # each message counts against its model until answered, so an unload or a
                             # reload of that model waits for it (serve/core/admission.py wait_engine)
-                            message = _Message()
+                            message = Held()
                             engine = self._api.admit(message, model=msg.model)
                             try:
                                 ticket = encode.submit(engine, encode_task(msg, engine, self._max_bytes), deadline)
