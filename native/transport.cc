@@ -12,9 +12,6 @@
 //   write(id, bytes)              a response message of a streaming call (sent in order)
 //   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer): handed to
 //                                the writer thread, which sends it (gRPC's write path runs off the Python thread)
-//   finish_many([(id, code, text, bytes), ...])  the same for a batch's answers: handed to the writer thread,
-//                                which sends them (gRPC's write path runs off the Python thread)
-//   wake()                        makes a waiting next() return (Python has answers to hand back)
 //
 // A unary call is one START event with its request (None if the client sent none). A cancelled call is
 // finished here with CANCELLED at once (gRPC needs Finish for every call); Python's later finish is ignored.
@@ -204,8 +201,7 @@ class Transport {
       py::gil_scoped_release unlocked;
       std::unique_lock<std::mutex> lock(mu_);
       ready_.wait_for(lock, std::chrono::duration<double>(timeout),
-                      [&] { return !events_.empty() || stopped_ || woken_; });
-      woken_ = false;
+                      [&] { return !events_.empty() || stopped_; });
       taken.swap(events_);
     }
     py::list out;
@@ -228,34 +224,6 @@ class Transport {
       }
     }
     return out;
-  }
-
-  // Makes a waiting next() return now (Python has answers to send: finish_many).
-  void wake() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      woken_ = true;
-    }
-    ready_.notify_one();
-  }
-
-  // finish() for each (id, code, text, bytes | None): converted here (the GIL held), sent by the writer thread,
-  // so the Python thread that hands them over goes back to its requests at once instead of running gRPC's
-  // write path for each.
-  void finish_many(const py::list& answers) {
-    std::vector<Answer> all;
-    all.reserve(answers.size());
-    for (const auto& item : answers) {
-      auto t = item.cast<py::tuple>();
-      Answer a{t[0].cast<int64_t>(), t[1].cast<int>(), t[2].cast<std::string>(), std::nullopt};
-      if (!t[3].is_none()) a.payload = t[3].cast<std::string>();
-      all.push_back(std::move(a));
-    }
-    {
-      std::lock_guard<std::mutex> lock(write_mu_);
-      for (auto& a : all) finishes_.push_back(std::move(a));
-    }
-    write_ready_.notify_one();
   }
 
   void write(int64_t id, py::bytes payload) {
@@ -368,7 +336,6 @@ class Transport {
   std::unordered_map<int64_t, std::shared_ptr<Reactor>> calls_;
   int64_t next_id_ = 0;
   bool stopped_ = false;
-  bool woken_ = false;
   std::thread writer_;
   std::mutex write_mu_;
   std::condition_variable write_ready_;
@@ -465,8 +432,6 @@ PYBIND11_MODULE(_transport, m) {
       .def("next", &Transport::next, py::arg("timeout"))
       .def("write", &Transport::write, py::arg("id"), py::arg("payload"))
       .def("finish", &Transport::finish, py::arg("id"), py::arg("code"), py::arg("message"), py::arg("payload"))
-      .def("wake", &Transport::wake)
-      .def("finish_many", &Transport::finish_many, py::arg("answers"))
       .def("open_calls", &Transport::open_calls)
       .def("stop", &Transport::stop, py::arg("grace"));
 }

@@ -14,7 +14,8 @@ from typing import Mapping, Sequence
 
 DEVICES = ("cpu", "cuda", "auto")
 TRANSPORTS = ("auto", "native", "grpcio")
-ROLES = ("", "front-end")  # "": the server itself (with or without front ends); "front-end": started by it
+ROLES = ("", "front-end")
+SPIN_POLICIES = ("run", "always", "never")  # ServerConfig.intra_op_spin  # "": the server itself (with or without front ends); "front-end": started by it
 ENV_PREFIX = "ENCODER_"
 
 
@@ -69,10 +70,11 @@ class ServerConfig:
     front_end_index: int = 0
     ipc_dir: str = ""
     intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity) / instances
-    # ONNX Runtime's intra-op threads spin-wait for the next piece of work after each one (its default).
-    # Off (ours): they sleep, leaving the CPU to the request path and to other runs; measured on 2 CPUs with a
-    # small model, spinning took 0.2 ms of CPU per request for 0.1-0.2 ms less latency (docs/performance.md)
-    intra_op_spin: bool = False
+    # How ONNX Runtime's intra-op threads wait for their next piece of work (SPIN_POLICIES): "run" (ours)
+    # spin within a run, where its many small operators follow each other, and sleep once it returns; "always"
+    # (ONNX Runtime's own default) spin between runs too, taking CPU from the request path and other runs;
+    # "never" always sleep (each operator then wakes them). Measured: docs/performance.md "The request path".
+    intra_op_spin: str = "run"
     # Batches run at once, each by its own batcher thread on the one shared session (ONNX Runtime's
     # Run is thread-safe). 2 x 1 thread on a busy 2-core host wastes less CPU in intra-op hand-offs
     # than 1 x 2 (docs/performance.md, against Triton); a lone request then runs on fewer threads.
@@ -133,6 +135,8 @@ class ServerConfig:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
         if self.front_ends < 0:
             raise ValueError(f"front_ends must be >= 0 (0: one process), got {self.front_ends}")
+        if self.intra_op_spin not in SPIN_POLICIES:
+            raise ValueError(f"intra_op_spin={self.intra_op_spin!r} is not one of {', '.join(SPIN_POLICIES)}")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is not one of {', '.join(map(repr, ROLES))}")
         for name in ("max_batch_size", "max_batch_tokens", "max_queue_size", "max_sequences_per_request",

@@ -95,10 +95,17 @@ def choose_providers(device: str, cuda_device_id: int, available: list[str], tf3
     return [(CUDA, cuda_options(cuda_device_id, tf32)), CPU]
 
 
+def spin_entries(policy: str) -> tuple[tuple[str, str], ...]:
+    """ONNX Runtime's session settings for a ServerConfig.intra_op_spin policy."""
+    return {"run": (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1")),
+            "always": (("session.intra_op.allow_spinning", "1"),),
+            "never": (("session.intra_op.allow_spinning", "0"),)}[policy]
+
+
 class OnnxRuntimeBackend:
     def __init__(self, export: ExportDir, *, device: str = "cpu", cuda_device_id: int = 0,
                  intra_op_threads: int = 0, cuda_tf32: bool = False, instances: int = 1,
-                 intra_op_spin: bool = False) -> None:
+                 intra_op_spin: str = "run") -> None:
         import onnxruntime as ort
 
         self.export = export
@@ -113,8 +120,9 @@ class OnnxRuntimeBackend:
         # With `instances` batches running at once, each gets its share of the CPUs.
         cpus = len(os.sched_getaffinity(0))
         options.intra_op_num_threads = int(intra_op_threads) or max(1, cpus // max(1, instances))
-        spin = "1" if intra_op_spin else "0"  # ServerConfig.intra_op_spin: every session of this backend alike
-        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        spinning = spin_entries(intra_op_spin)  # ServerConfig.intra_op_spin: every session of this backend alike
+        for key, value in spinning:
+            options.add_session_config_entry(key, value)
         self.session = self._load(ort, export.graph_path, options, providers, device)
         # With instances sharing the CPUs, a batch that runs alone (no other batch running, none queued:
         # a lone client) gets a second session of the dense graph on every CPU, so instances cost a lone
@@ -124,7 +132,8 @@ class OnnxRuntimeBackend:
             wide_options = ort.SessionOptions()
             wide_options.graph_optimization_level = options.graph_optimization_level
             wide_options.intra_op_num_threads = cpus
-            wide_options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+            for key, value in spinning:
+                wide_options.add_session_config_entry(key, value)
             self.wide = self._load(ort, export.graph_path, wide_options, providers, device)
         # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
         # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
@@ -133,7 +142,8 @@ class OnnxRuntimeBackend:
         long_options.graph_optimization_level = options.graph_optimization_level
         long_options.intra_op_num_threads = options.intra_op_num_threads
         long_options.enable_cpu_mem_arena = False
-        long_options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        for key, value in spinning:
+            long_options.add_session_config_entry(key, value)
         # Nor do they pre-pack their weights (MLAS' packed copy of each MatMul's B, made at load and held
         # per session): the dense session holds its own packed copy, and a long graph's would be a second
         # one from the start. Unpacked, a long graph reads its weights where ONNX Runtime put them (an

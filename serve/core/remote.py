@@ -28,7 +28,7 @@ from serve.core.attention_budget import AttentionBudget
 from serve.core.batcher import Ticket
 from serve.core.engine import Engine
 from serve.core.requests import Work
-from serve.errors import DeadlineExceeded, ServeError, Unavailable, by_name
+from serve.errors import ServeError, Unavailable, by_name
 
 log = logging.getLogger("serve.core.remote")
 
@@ -154,8 +154,6 @@ class RemoteBatcher:
     def submit(self, request: Work, rows: Rows, deadline: float | None = None) -> Ticket:
         if self._closed:
             raise Unavailable("server is shutting down; retry on another replica")
-        if deadline is not None and deadline <= ticket_clock():
-            raise DeadlineExceeded("deadline expired before the request was admitted")
         ticket = RemoteTicket(request, rows, deadline)
         self._mine.add(ticket)
         ticket.add_done_callback(self._mine.discard)
@@ -179,12 +177,6 @@ class RemoteBatcher:
 
     def stop(self, timeout: float | None = None) -> None:
         self.close()
-
-
-def ticket_clock() -> float:
-    import time
-
-    return time.monotonic()
 
 
 class _EngineBackend:

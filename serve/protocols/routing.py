@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from serve.errors import ValidationError, clip
+from serve.protocols import fields
 from serve.protocols.edge import Api, json_object
 
 MODEL_PREFIX = "/models/"  # /models/<name>/<path>: <path> on model <name>
@@ -37,8 +38,6 @@ class HttpCall:
         if "model" in self.params:
             return self.params["model"]
         if isinstance(self.body, dict):
-            from serve.protocols import fields
-
             return fields.model(self.body)
         return ""
 
