@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import parallel
 from tests.subprocess_env import REPO, repo_env
+
+if parallel.in_worker_of_several():
+    parallel.limit_threads()  # before any test module imports torch
 
 # --- model / export fixtures (lead) ------------------------------------------------------------
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -247,6 +251,40 @@ def serve_features_export_dir(tmp_path_factory) -> Path:
     config = EncoderConfig(name="serve-features", d_model=16, n_heads=2, n_layers=1, d_ff=32,
                            vocab_size=100, max_positions=64, input_kind="features")
     return Path(export_model(config, tmp_path_factory.mktemp("serve-features"), long_length=20).directory)
+
+
+# --- pytest-xdist (`make test` runs two workers: tests/parallel.py) ------------------------------------
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+        return parallel.make_scheduler(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if parallel.in_worker_of_several():
+        parallel.longest_first(items)
+
+
+def pytest_sessionfinish(session):
+    """In a worker: its reliability figures, for the controller's summary line."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    module = sys.modules.get("tests.reliability_common")
+    if workeroutput is not None and module is not None:
+        workeroutput["reliability"] = [dict(module.FIGURES), dict(module.LATENCY)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """In the controller: a worker's reliability figures, added to the others'."""
+    figures = getattr(node, "workeroutput", {}).get("reliability")
+    if figures:
+        from tests import reliability_common
+
+        reliability_common.count(**figures[0])
+        reliability_common.LATENCY.update(figures[1])
 
 
 def pytest_terminal_summary(terminalreporter):
