@@ -21,7 +21,6 @@ import socket
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.subprocess_env import REPO, repo_env
 

@@ -8,7 +8,6 @@ import sys
 import threading
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
