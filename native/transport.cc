@@ -6,8 +6,8 @@
 // arrived and sends back what Python answers.
 //
 //   next(timeout)   -> every event queued since the last call, in ONE wake-up (the GIL is released while
-//                      waiting): (START, id, method, first message | None, metadata, seconds to deadline |
-//                      None), (MESSAGE, id, bytes) and (HALF_CLOSE, id) for streaming methods, (CANCEL, id)
+//                      waiting): (START, id, method, first message | None, metadata, seconds to deadline:
+//                      centuries when the client set none), (MESSAGE, id, bytes) and (HALF_CLOSE, id) for streaming methods, (CANCEL, id)
 //                      when the client or its deadline ended a call Python had not finished.
 //   write(id, bytes)              a response message of a streaming call (sent in order)
 //   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer): handed to
@@ -41,8 +41,6 @@ namespace py = pybind11;
 namespace {
 
 enum Kind { START = 0, MESSAGE = 1, HALF_CLOSE = 2, CANCEL = 3 };
-
-constexpr double NO_DEADLINE_S = 10.0 * 365 * 86400;  // gRPC's "infinite" deadline is far past this
 
 struct Event {
   Kind kind;
@@ -359,8 +357,8 @@ void Reactor::OnReadDone(bool ok) {
       e.metadata.emplace_back(std::string(kv.first.data(), kv.first.size()),
                               std::string(kv.second.data(), kv.second.size()));
     }
-    const double remaining = std::chrono::duration<double>(ctx_->deadline() - std::chrono::system_clock::now()).count();
-    if (remaining < NO_DEADLINE_S) e.remaining = remaining;
+    // seconds to the deadline as gRPC has it (no deadline: centuries; Python's Rpc reads that as none)
+    e.remaining = std::chrono::duration<double>(ctx_->deadline() - std::chrono::system_clock::now()).count();
     t_->push(std::move(e));
     if (!streaming_) return;  // a unary call: one request, answered by finish()
     if (!ok) {
