@@ -14,8 +14,8 @@ from typing import Mapping, Sequence
 
 DEVICES = ("cpu", "cuda", "auto")
 TRANSPORTS = ("auto", "native", "grpcio")
-ROLES = ("", "front-end")
-SPIN_POLICIES = ("run", "always", "never")  # ServerConfig.intra_op_spin  # "": the server itself (with or without front ends); "front-end": started by it
+ROLES = ("", "front-end")  # "": the server itself (with or without front ends); "front-end": started by it
+SPIN_POLICIES = ("run", "always", "never")  # ServerConfig.intra_op_spin
 ENV_PREFIX = "ENCODER_"
 
 

@@ -125,9 +125,12 @@ class BackendError(ServeError):
 
 
 def by_name(name: str, message: str) -> ServeError:
-    """The ServeError of class `name` (as another process of this server sent it), else a plain one."""
-    for cls in (ValidationError, Unsupported, Overloaded, TooLarge, Unavailable, DeadlineExceeded, Cancelled,
-                NotFound, ModelRefused, BackendError):
+    """The ServeError of class `name` (as another process of this server sent it: any subclass of ServeError),
+    else a plain one."""
+    classes = [ServeError]
+    while classes:
+        cls = classes.pop()
         if cls.__name__ == name:
             return cls(message)
+        classes.extend(cls.__subclasses__())
     return ServeError(message)

@@ -822,9 +822,10 @@ def test_every_route_is_in_the_listing_and_every_task_route_in_the_fit_table():
     from serve.protocols import routes
 
     listing = json.loads(routes.LISTING)
+    verbs = routes.router(None).verbs  # what a refused task call names (the router's fit table)
     for route in routes.ROUTES:
         assert route.method.lower() in listing["paths"][route.path], route.key
-        assert route.verb is None or (route.verb in VERBS and routes.VERBS[route.key] == route.verb)
+        assert route.verb is None or (route.verb in VERBS and verbs[route.key] == route.verb)
 
 
 def test_a_route_declared_twice_is_refused_when_the_router_is_built():

@@ -127,15 +127,8 @@ class EncoderServer:
         return self.admission.ready()
 
     def leave(self, delay: float) -> None:
-        """The first step of a shutdown (`drain_delay_s`): report not ready on every surface while still
-        admitting for `delay` seconds, so balancers take this replica out before it refuses a call."""
-        if delay <= 0 or self.admission.state != "serving":
-            return
-        self.admission.leave()
-        self._set_health(False)
-        self.metrics.ready.set(0)
-        logs.event(log, "leaving", drain_delay_s=delay)
-        threading.Event().wait(delay)  # a deliberate delay: nothing to wait for but the balancers
+        """The first step of a shutdown (`drain_delay`)."""
+        drain_delay(self.admission, self.metrics, delay, lambda: self._set_health(False))
 
     def not_ready(self) -> None:
         """Reports not ready (a front end, told the engine's drain delay began): health NOT_SERVING."""
@@ -153,13 +146,8 @@ class EncoderServer:
             self.http.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(self.config.metrics_host, self.config.metrics_port)
-        if self.config.port_file:
-            path = Path(self.config.port_file)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
-                                       "transport": self.transport.name,
-                                       "http_port": self.http.port if self.http else None}))
-            os.replace(tmp, path)
+        write_port_file(self.config.port_file, port=self.port, metrics_port=self.metrics_port,
+                        transport=self.transport.name, http_port=self.http.port if self.http else None)
         logs.event(log, "listening", host=self.config.host, port=self.port, metrics_port=self.metrics_port,
                    transport=self.transport.name, http_port=self.http.port if self.http else None)
 
@@ -272,6 +260,30 @@ class _StopSignals:
         """Returns once SIGTERM or SIGINT has arrived (before or during the wait)."""
         while not any(byte in self.STOP for byte in self._read.recv(64)):
             pass  # another signal's byte (SIGHUP: its own handler reloads)
+
+
+def drain_delay(admission: Admission, metrics: Metrics, delay: float, not_ready: Callable[[], None] = lambda: None
+                ) -> None:
+    """The first step of a shutdown (`drain_delay_s`): every surface reports not ready (`admission.leave`; a
+    front end's too, told by the engine; `not_ready()`: gRPC health) while calls are still admitted, for `delay`
+    seconds, so balancers take this replica out before it refuses a call."""
+    if delay <= 0 or admission.state != "serving":
+        return
+    admission.leave()
+    not_ready()
+    metrics.ready.set(0)
+    logs.event(log, "leaving", drain_delay_s=delay)
+    threading.Event().wait(delay)  # a deliberate delay: nothing to wait for but the balancers
+
+
+def write_port_file(path: str, **ports) -> None:
+    """The server's ports (and its pid) as JSON at `path` ("": none), written whole: a reader never sees half."""
+    if not path:
+        return
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({**ports, "pid": os.getpid()}))
+    os.replace(tmp, target)
 
 
 def reload_on_sighup(repository) -> None:

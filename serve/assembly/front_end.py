@@ -102,10 +102,10 @@ def serve_front_end(config: ServerConfig) -> int:
 
     logs.setup(config.log_level)
     logs.event(log, "front_end", index=config.front_end_index)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the engine, which drains us
-    signal.signal(signal.SIGTERM, lambda signum, frame: mirror.drain.set())
     link = EngineLink(config.ipc_dir, config.front_end_index)
     mirror = Mirror(link, config)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the engine, which drains us
+    signal.signal(signal.SIGTERM, lambda signum, frame: mirror.drain.set())
     link.on("models", mirror)
     engine_gone = threading.Event()
 

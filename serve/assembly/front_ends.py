@@ -22,7 +22,6 @@ its own (serve/core/metrics.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -33,11 +32,11 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import orjson
 
 from serve import logs
+from serve.assembly.app import drain_delay, reload_on_sighup, run_until_signalled, write_port_file
 from serve.assembly.loading import default_backend
 from serve.assembly.repository import ModelRepository
 from serve.config import ServerConfig, config_environment
@@ -166,14 +165,9 @@ class FrontEnds:
         self.config = config
         self.count = config.front_ends
         self.folder, self.multiproc_dir = folder, multiproc_dir
-        self._held = []
-        self.port = config.port
-        self.http_port = config.http_port
         held, self.port = reserve_port(config.host, config.port)
-        self._held.append(held)
-        if config.http_port >= 0:
-            held, self.http_port = reserve_port(config.host, config.http_port)
-            self._held.append(held)
+        held_http, self.http_port = reserve_port(config.host, config.http_port)  # -1 (no HTTP): none held
+        self._held = [held, held_http]
         self._processes: list[subprocess.Popen | None] = [None] * self.count
         self._listening: dict[int, dict] = {}
         self._all_listening = threading.Event()
@@ -303,27 +297,19 @@ class EngineProcess:
         self.front_ends.start()
         if not self.front_ends.wait_listening(LISTEN_TIMEOUT_S):
             raise Unavailable(f"the front ends did not all listen within {LISTEN_TIMEOUT_S:g} s")
-        if self.config.port_file:
-            path = Path(self.config.port_file)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"port": self.front_ends.port, "metrics_port": self.metrics_port,
-                                       "pid": os.getpid(), "transport": self.front_ends.transport(),
-                                       "http_port": self.front_ends.http_port if self.config.http_port >= 0 else None,
-                                       "front_ends": self.front_ends.pids()}))
-            os.replace(tmp, path)
+        write_port_file(self.config.port_file, port=self.front_ends.port, metrics_port=self.metrics_port,
+                        transport=self.front_ends.transport(),
+                        http_port=self.front_ends.http_port if self.config.http_port >= 0 else None,
+                        front_ends=self.front_ends.pids())
         logs.event(log, "serving", models=",".join(sorted(engines)), front_ends=self.front_ends.count,
                    port=self.front_ends.port, http_port=self.front_ends.http_port, metrics_port=self.metrics_port,
                    sha256=",".join(e.export.sha256[:12] for _, e in sorted(engines.items())),
                    load_s=f"{time.monotonic() - started:.3f}")
 
     def leave(self, delay: float) -> None:
-        """The drain delay: every front end reports not ready while still admitting, for `delay` s."""
-        if delay <= 0 or self.admission.state != "serving":
-            return
-        self.admission.leave()  # told to every front end (on_change)
-        self.metrics.ready.set(0)
-        logs.event(log, "leaving", drain_delay_s=delay)
-        threading.Event().wait(delay)  # a deliberate delay: nothing to wait for but the balancers
+        """The drain delay: every front end reports not ready while still admitting (told by `admission.leave`,
+        on_change), for `delay` s."""
+        drain_delay(self.admission, self.metrics, delay)
 
     def shutdown(self, grace: float | None = None) -> bool:
         """The drain: every front end stops admitting, answers what it admitted and exits; the engine answers
@@ -358,8 +344,6 @@ def serve_engine(config: ServerConfig, stop) -> int:
     except (RuntimeError, ServeError) as error:
         logs.event(log, "startup_failed", logging.ERROR, error=getattr(error, "message", str(error)))
         return 1
-
-    from serve.assembly.app import reload_on_sighup, run_until_signalled
 
     reload_on_sighup(server.repository)  # each front end is told what changed (Admission.on_change)
     return run_until_signalled(server, server.start, stop, config)

@@ -99,13 +99,16 @@ def run_lengths(pieces: list[tuple[Rows, np.ndarray | None]]) -> tuple[np.ndarra
 
 
 def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config: EncoderConfig,
-              path: str = DENSE) -> dict[str, np.ndarray]:
+              path: str = DENSE, lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The graph's inputs for `pieces` (each a request's Rows and the indices of its rows in this run,
     None: all of them, in order) on attention `path`, right-padded to `length` (padding is masked
-    out). Only the dense graph takes the [B, T, T] custom mask."""
+    out). `lengths`: each row's length in the run, where the caller has them (`run_lengths`). Only the
+    dense graph takes the [B, T, T] custom mask."""
+    if lengths is None:
+        lengths = run_lengths(pieces)[0]
     if len(pieces) == 1 and pieces[0][1] is None and pieces[0][0].block.shape[1] == length:
         rows = pieces[0][0]  # one whole request of the run's width: its block is the batch
-        first, lengths = rows.block, rows.lengths
+        first = rows.block
         counts = [len(rows)]
     else:
         counts = [len(rows) if index is None else len(index) for rows, index in pieces]
@@ -114,13 +117,11 @@ def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config:
             first = np.full((n, length), config.pad_token_id, np.int64)
         else:
             first = np.zeros((n, length, config.d_model), np.float32)
-        lengths = np.empty(n, np.int64)
         at = 0
         for (rows, index), count in zip(pieces, counts):
             width = min(length, rows.block.shape[1])
             block = rows.block[:, :width] if index is None else rows.block[index, :width]
             first[at:at + count, :width] = block
-            lengths[at:at + count] = rows.lengths if index is None else rows.lengths[index]
             at += count
     n = len(lengths)
     full = all(index is None and rows.full and rows.longest == length for rows, index in pieces)

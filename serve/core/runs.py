@@ -48,7 +48,8 @@ class BatchRunner:
         for number, (path, pieces) in enumerate(self._runs(batch)):
             length = max(t.length if i is None else int(t.rows.lengths[i].max()) for t, i in pieces)
             pieces_rows = [(t.rows, i) for t, i in pieces]
-            feeds = pad_batch(pieces_rows, length, self.config, path)
+            lengths, tokens = run_lengths(pieces_rows)
+            feeds = pad_batch(pieces_rows, length, self.config, path, lengths)
             started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
                 hidden, pooled = self.backend.encode(feeds, path)
@@ -57,7 +58,6 @@ class BatchRunner:
             else:
                 hidden, pooled = self.backend.encode(feeds)
             inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
-            lengths, tokens = run_lengths(pieces_rows)
             rows = len(lengths)
             self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
                           padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)

@@ -38,7 +38,8 @@ def rerank_task(body: dict, *, objects: bool, truncate: bool = True) -> rerank.R
         fields.query(body.get("query")), fields.documents(body.get("documents"), objects=objects),
         TextOptions(truncate=fields.flag(body, "truncate", truncate),
                     direction=direction(body.get("truncation_direction"))),
-        top_n=fields.top_n(body), raw_scores=fields.flag(body, "raw_scores"),
+        top_n=fields.integer(body, "top_n", None, "an integer >= 1"),  # its range: the rerank verb's
+        raw_scores=fields.flag(body, "raw_scores"),
         max_tokens_per_doc=fields.integer(body, "max_tokens_per_doc", None, "a positive integer"))
 
 

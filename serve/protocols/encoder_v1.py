@@ -47,8 +47,7 @@ def _size(msg, max_bytes: int) -> None:
         raise ValidationError(f"request: {size} bytes exceed max_request_bytes={max_bytes}")
 
 
-def encode_task(msg: "pb.EncodeRequest", engine, max_bytes: int) -> EncodeTask:
-    _size(msg, max_bytes)
+def encode_task(msg: "pb.EncodeRequest", engine) -> EncodeTask:
     config = engine.export.config
     layout = "[T]" if config.input_kind == "tokens" else f"[T, {config.d_model}]"
     # at most 2-d here, whatever the model: which dtype and shape it takes is the core's rule
@@ -174,7 +173,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def start_encode(self, rpc, msg) -> None:
         self._start("Encode", rpc, msg,
-                    lambda engine: encode.submit(engine, encode_task(msg, engine, self._max_bytes), rpc.deadline),
+                    lambda engine: encode.submit(engine, encode_task(msg, engine), rpc.deadline),
                     lambda result, engine, received: response_to_proto(result, engine, received).SerializeToString())
 
     def start_rerank(self, rpc, msg) -> None:
@@ -225,7 +224,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                             message = Held()
                             engine = self._api.admit(message, model=msg.model)
                             try:
-                                ticket = encode.submit(engine, encode_task(msg, engine, self._max_bytes), deadline)
+                                _size(msg, self._max_bytes)
+                                ticket = encode.submit(engine, encode_task(msg, engine), deadline)
                             except Exception:
                                 message.end()
                                 raise
@@ -290,7 +290,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             )
 
 
-def add_encoder_to_server(api: Api, max_request_bytes: int, server) -> EncoderServicer:
+def add_encoder_to_server(api: Api, max_request_bytes: int, server) -> None:
     """Registers `encoder.v1.EncoderService` (serve/transport/rpc.py Registry): its task methods started (answered
     from their batch: no thread waits per call), the others as servicer methods."""
     servicer = EncoderServicer(api, max_request_bytes)
@@ -299,4 +299,3 @@ def add_encoder_to_server(api: Api, max_request_bytes: int, server) -> EncoderSe
                           ("Classify", servicer.start_classify), ("EmbedSparse", servicer.start_embed_sparse)):
         request = getattr(pb, pb.DESCRIPTOR.services_by_name["EncoderService"].methods_by_name[method].input_type.name)
         server.add_started(f"/{SERVICE}/{method}", start, request.FromString)
-    return servicer

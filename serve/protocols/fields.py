@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from serve.core.tasks.inputs import non_empty, present
 from serve.errors import ValidationError, quote
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}  # KServe v2 parameters sent as strings
@@ -74,12 +75,10 @@ def model(body: Mapping) -> str:
 
 
 def text(got, field: str) -> str:
-    """One text: a string (emptiness is its task's to refuse, or `texts`')."""
+    """One text: a non-empty string (the empty-text rule: serve/core/tasks/inputs.py `present`)."""
     if not isinstance(got, str):
         raise refuse(field, "a string", got)
-    if not got:
-        raise ValidationError(f"{field}: empty text; send at least one character")
-    return got
+    return present(got, field)
 
 
 def texts(got, field: str = "inputs") -> tuple[str, ...]:
@@ -98,8 +97,6 @@ def documents(got, field: str = "documents", *, objects: bool = False) -> tuple[
     Jina's APIs take them)."""
     if not isinstance(got, list):
         raise refuse(field, "a list of strings", got)
-    if not got:
-        raise ValidationError(f"{field}: empty list; send at least one document")
     out = []
     for i, item in enumerate(got):
         if objects and isinstance(item, dict):
@@ -107,7 +104,7 @@ def documents(got, field: str = "documents", *, objects: bool = False) -> tuple[
                 raise ValidationError(f"{field}[{i}]: a document object needs a \"text\" field")
             item = item["text"]
         out.append(text(item, f"{field}[{i}]"))
-    return tuple(out)
+    return non_empty(tuple(out), field, "document")
 
 
 def query(got, field: str = "query") -> str:
@@ -129,9 +126,13 @@ def token_ids(got, field: str = "ids") -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(row) for row in got)
 
 
-def inputs(got, field: str = "input") -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
-    """What an embedding route takes (OpenAI's `input`, TEI's `inputs`) as (texts, token-id sequences), exactly
-    one of them non-empty: a string, a list of strings, a list of token ids or a list of token-id lists."""
+def inputs(body: Mapping, field: str = "input") -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+    """What an embedding route takes (body[field]: OpenAI's `input`, TEI's `inputs`) as (texts, token-id
+    sequences), exactly one of them non-empty: a string, a list of strings, a list of token ids or a list of
+    token-id lists."""
+    if field not in body:
+        raise ValidationError(f"{field}: missing; send a string, a list of strings or token-id lists")
+    got = body[field]
     if isinstance(got, str):
         return (got,), ()
     if not isinstance(got, list) or not got:
@@ -151,14 +152,6 @@ def inputs(got, field: str = "input") -> tuple[tuple[str, ...], tuple[np.ndarray
         except OverflowError:
             raise ValidationError(f"{field}[{i}]: a token id does not fit in 64 bits") from None
     return (), tuple(sequences)
-
-
-def top_n(body: Mapping, name: str = "top_n") -> int | None:
-    """top_n: None (every document), else an integer (its range is the rerank verb's)."""
-    got = body.get(name)
-    if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1):
-        raise refuse(name, "an integer >= 1", got)
-    return got
 
 
 def parameter_values(parameters) -> dict:

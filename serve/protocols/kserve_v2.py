@@ -173,7 +173,7 @@ def tensor_to_numpy(tensor, raw: bytes | None) -> np.ndarray:
 
 def _row_lengths(attention: np.ndarray | None, batch: int, length: int) -> np.ndarray | None:
     """Each row's length from an attention mask of 1s then 0s (right padding); None when every row is
-    `length` long (no mask, or all ones: the common case, checked with two reductions)."""
+    `length` long (no mask, or all ones: the common case, found by comparing bytes, `_all_ones`)."""
     if attention is None:
         return None
     if attention.shape != (batch, length):
@@ -380,11 +380,16 @@ def grpc_answer(engine: Engine, result: EncodeResult, requested: list[str], leng
     return response_to_v2(result, requested, length, engine.name, request_id).SerializeToString()
 
 
+def serves_version(version: str) -> bool:
+    """Whether `version` is the one this server serves ("": the server's choice, that one)."""
+    return version in ("", MODEL_VERSION)
+
+
 def check_version(name: str, version: str, error: type = ValidationError) -> None:
     """Refuses a version this server does not serve (`error`: INVALID_ARGUMENT on gRPC, as Triton
     answers; REST passes NotFound: 404). Which models are served is admission's rule
     (serve/core/admission.py: NOT_FOUND naming them)."""
-    if version not in ("", MODEL_VERSION):
+    if not serves_version(version):
         raise error(f"model {quote(name)} has version {MODEL_VERSION!r} only, not {quote(version)}")
 
 
@@ -468,7 +473,7 @@ def start_infer(api: Api, rpc, request, answer: Callable[..., object] | None = N
 
 def model_ready(api: Api, name: str, version: str) -> bool:
     """ModelReady: the server is ready (admission's one readiness) and serves `name` at `version`."""
-    if version not in ("", MODEL_VERSION) or not name or not api.ready():
+    if not serves_version(version) or not name or not api.ready():
         return False
     try:
         api.engine(name)
@@ -486,9 +491,10 @@ def server_version() -> str:
         return "0.1.0"
 
 
-def add_kserve_to_server(api: Api, server) -> "KServeServicer":
-    """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry); returns the servicer
-    (KServe v2 REST, serve/protocols/kserve_rest.py, calls it too)."""
+def add_kserve_to_server(api: Api, server) -> None:
+    """Registers `inference.GRPCInferenceService` (serve/transport/rpc.py Registry): ModelInfer started (answered
+    from its batch), the others as servicer methods. KServe v2 REST (serve/protocols/kserve_rest.py) calls this
+    module's functions, not the servicer."""
     servicer = KServeServicer(api)
     handlers = {}
     for method in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"):
@@ -499,4 +505,3 @@ def add_kserve_to_server(api: Api, server) -> "KServeServicer":
         )
     server.add_registered_method_handlers(SERVICE, handlers)
     server.add_started(f"/{SERVICE}/ModelInfer", servicer.start_infer, M["ModelInferRequest"].FromString)
-    return servicer

@@ -61,9 +61,7 @@ def mask_of(value) -> MaskChoice:
 
 def embed_task(body: dict) -> tuple[embed.EmbedTask, str]:
     """(the embed task, the encoding format); ValidationError naming the field."""
-    if "input" not in body:
-        raise ValidationError("input: missing; send a string, a list of strings or token-id lists")
-    texts, sequences = fields.inputs(body["input"], "input")
+    texts, sequences = fields.inputs(body, "input")
     encoding = fields.string(body, "encoding_format", "float")
     if encoding not in ENCODINGS:
         raise ValidationError(f"encoding_format: {quote(encoding)} is not \"float\" or \"base64\"")

@@ -42,7 +42,7 @@ from serve.core.model_index import READY, IndexEntry, Repository
 from serve.errors import Unsupported, ValidationError, quote
 from serve.protocols import fields
 from serve.protocols import kserve_v2 as kserve
-from serve.protocols.edge import Api, Call
+from serve.protocols.edge import Api, Call, answer_now
 from serve.protocols.routing import HttpCall, Route
 
 INDEX, LOAD, UNLOAD = "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"
@@ -150,16 +150,7 @@ def _in_pool(api: Api, rpc, name: str, run) -> None:
             _pool = futures.ThreadPoolExecutor(max_workers=REST_THREADS, thread_name_prefix="repository",
                                                initializer=logs.name_thread, initargs=("repository",))
 
-    def answer() -> None:
-        call = Call(api.metrics, f"v2.{name}", rpc)
-        try:
-            payload = orjson.dumps(run())
-        except Exception as error:
-            call.answer(error)
-            return
-        call.answer(None, payload)
-
-    _pool.submit(answer)
+    _pool.submit(answer_now, api, f"v2.{name}", rpc, lambda: orjson.dumps(run()))
 
 
 def _parameters(body: dict) -> dict:

@@ -7,8 +7,8 @@ body and its routes, each with the task verb it runs). From this table, and noth
     another method 405, each in the error body of the family the path belongs to (`UNMATCHED`: KServe v2's
     for /v2/..., else OpenAI's, the shape most HTTP clients here read);
   - the listing, GET /openapi.json (an OpenAPI 3.1 document of every route, tagged by family);
-  - the "routes that fit this model" of a refused task call (`VERBS`: route -> the task verb it runs,
-    serve/core/tasks/).
+  - the "routes that fit this model" of a refused task call (the router's `verbs`: route -> the task verb
+    it runs, serve/core/tasks/).
 A route cannot be half-registered: it is one entry of its family, and every view above is derived; a
 (method, path) given twice is refused when the router is built.
 
@@ -39,7 +39,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("listing", openai.error_body, (Route("GET", "/openapi.json", listing, body="none"),)),
 )
 ROUTES: tuple[Route, ...] = tuple(route for family in FAMILIES for route in family.routes)
-VERBS: dict[str, str] = {route.key: route.verb for route in ROUTES if route.verb is not None}
 UNMATCHED = (("/v2", kserve_rest.FAMILY), ("", openai.FAMILY))
 
 

@@ -111,8 +111,9 @@ class HttpRoutes:
         self._by_path = {route.path: route for route in self._exact.values()}
         self._unmatched = tuple(unmatched)
         self.fallback_error_body = self._unmatched[-1][1].error_body  # a refusal of no path (the connection cap)
-        self.verbs = {key: route.verb for key, route in self._exact.items() if route.verb is not None}
-        self.verbs.update({route.key: route.verb for route, _ in self._templates if route.verb is not None})
+        # route -> the task verb it runs: what a refused task call names as the routes that fit its model
+        self.verbs = {route.key: route.verb for family in families for route in family.routes
+                      if route.verb is not None}
 
     def match(self, method: str, path: str) -> Match:
         params: dict = {}

@@ -48,9 +48,7 @@ def error_body(status: int, message: str) -> bytes:
 
 def _inputs(body: dict) -> Inputs:
     """`inputs` (texts or token ids) with the text fields every embedding route takes."""
-    if "inputs" not in body:
-        raise ValidationError("inputs: missing; send a string, a list of strings or token-id lists")
-    texts, sequences = fields.inputs(body["inputs"], "inputs")
+    texts, sequences = fields.inputs(body, "inputs")
     return Inputs(texts, sequences, text=_text_options(body))
 
 
@@ -95,10 +93,7 @@ def _hub_parameters(body: dict) -> tuple[int | None, str | None] | None:
     if top_k is not None and top_k < 1:
         raise ValidationError(f"parameters.top_k: expected a positive integer, got {top_k}")
     function = fields.string(parameters, "function_to_apply", field="parameters.function_to_apply")
-    if function is not None and function not in classify.ACTIVATIONS:
-        raise ValidationError(f"parameters.function_to_apply: {quote(function)} is not one of "
-                              f"{', '.join(classify.ACTIVATIONS)}")
-    return top_k, function
+    return top_k, classify.activation_name(function, "parameters.function_to_apply")
 
 
 def embed_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:

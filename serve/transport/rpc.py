@@ -31,11 +31,11 @@ import grpc
 
 from serve import logs
 from serve.transport import security
+from serve.protocols.edge import NO_DEADLINE_S
 from serve.protocols.status import to_status
 
 log = logging.getLogger("serve.transport")
 
-NO_DEADLINE_S = 10 * 365 * 86400.0
 _END = object()  # the end of a client stream
 
 

@@ -16,7 +16,7 @@ from model.tasks import SCORE_ACTIVATIONS
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending
 from serve.core.tasks.inputs import Inputs, TextOptions, pair_rows, text_rows
-from serve.errors import ValidationError
+from serve.errors import ValidationError, quote
 
 ACTIVATIONS = SCORE_ACTIVATIONS
 
@@ -27,7 +27,7 @@ class ClassifyTask:
     pairs: tuple[tuple[str, str], ...] = ()  # (text, text_pair): a pair classifier's, a cross-encoder's
     text: TextOptions = TextOptions()  # pairs: only the second text is ever cut
     raw_scores: bool = False  # the logits, not the scores
-    activation: str | None = None  # one of ACTIVATIONS instead of the export's
+    activation: str | None = None  # one of ACTIVATIONS instead of the export's (`activation_name` checks it)
     request_id: str = ""
     pair_fields: tuple[str, str] = ("pairs[{i}][0]", "pairs[{i}][1]")  # the pair's texts as errors name them
 
@@ -54,8 +54,6 @@ class Predictions:
 def submit(engine, task: ClassifyTask, deadline: float | None = None) -> Pending:
     if task.texts and task.pairs:
         raise ValidationError("texts: send either texts or pairs, not both")
-    if task.activation is not None and task.activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {task.activation!r}")
     if task.pairs:
         rows = pair_rows(engine, task.pairs, task.text, task.pair_fields)
     else:
@@ -65,6 +63,13 @@ def submit(engine, task: ClassifyTask, deadline: float | None = None) -> Pending
     labels = engine.labels
     return Pending(engine.submit(work, deadline),
                    lambda result: Predictions(activate(result.scores, activation, task.raw_scores), labels, result))
+
+
+def activation_name(value: str | None, field: str) -> str | None:
+    """An activation a call names (None: the export's), one of ACTIVATIONS; ValidationError naming `field`."""
+    if value is not None and value not in ACTIVATIONS:
+        raise ValidationError(f"{field}: {quote(value)} is not one of {', '.join(ACTIVATIONS)}")
+    return value
 
 
 def activation_of(engine) -> str:

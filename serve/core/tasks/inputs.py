@@ -117,11 +117,18 @@ def pair_rows(engine, pairs: tuple[tuple[str, str], ...], options: TextOptions,
     return TextRows(sequences, truncated, (), types)
 
 
+def present(text: str, field: str) -> str:
+    """`text` when it holds at least one character; ValidationError naming `field` (the one rule of an empty
+    text, for every task and every protocol's field readers)."""
+    if not text:
+        raise ValidationError(f"{field}: empty text; send at least one character")
+    return text
+
+
 def non_empty(texts: tuple[str, ...], field: str, what: str = "text") -> tuple[str, ...]:
     """`texts` when it holds at least one text, each non-empty; ValidationError naming `field` (or `field[i]`)."""
     if not texts:
         raise ValidationError(f"{field}: empty list; send at least one {what}")
     for i, text in enumerate(texts):
-        if not text:
-            raise ValidationError(f"{field}[{i}]: empty text; send at least one character")
+        present(text, f"{field}[{i}]")
     return texts

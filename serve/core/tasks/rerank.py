@@ -14,7 +14,7 @@ import numpy as np
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending
 from serve.core.tasks.classify import activate, activation_of
-from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, tokenizer
+from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, present, tokenizer
 from serve.errors import ValidationError
 
 
@@ -41,8 +41,7 @@ class Ranking:
 
 
 def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
-    if not task.query:
-        raise ValidationError("query: empty text; send at least one character")
+    present(task.query, "query")
     field = task.documents_field
     documents = non_empty(task.documents, field, "document")
     if task.top_n is not None and task.top_n < 1:
