@@ -189,15 +189,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 # --- shutdown under load (test_serve_lifecycle, and test_reliability_chaos with a CPU hog) -----------
 
-def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export_dir: Path, *flags: str) -> list:
+def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export_dir: Path, *flags: str,
+                                                             connect=None) -> list:
     """SIGTERM to a `python -m serve` under a closed-loop load of 6 clients: every refusal is
     UNAVAILABLE (never CANCELLED: nothing accepted is dropped), the log says drained, exit 0.
-    Returns the (code, details) of every call."""
+    `connect(server)`: each client (a context manager with `encode(sequences, hidden_states=)`; default: an
+    EncoderClient, which gRPC puts on one shared connection per target). Returns the (code, details) of every
+    call."""
     import grpc
     import numpy as np
 
     from client import EncoderClient
 
+    connect = connect or (lambda server: EncoderClient(server.target, retries=0, timeout=30))
     server = serve_start(export_dir, "--max-queue-delay-ms", "5", "--grace-s", "20", *flags)
     codes: list[tuple[str, str]] = []
     ok = threading.Semaphore(0)
@@ -206,7 +210,7 @@ def assert_sigterm_under_load_answers_every_accepted_request(serve_start, export
 
     def load(seed: int) -> None:
         rng = np.random.default_rng(seed)
-        with EncoderClient(server.target, retries=0, timeout=30) as client:
+        with connect(server) as client:
             while not stop.is_set():
                 seqs = [rng.integers(0, 100, rng.integers(1, 100)) for _ in range(4)]
                 try:

@@ -222,7 +222,7 @@ def _readiness(server, model: str) -> dict[str, bool]:
     import urllib.error
     import urllib.request
 
-    from serve.protocols.kserve_v2 import M, SERVICE
+    import tritonclient.grpc as triton  # the KServe v2 gRPC client users call it with
 
     def http(path: str) -> bool:
         try:
@@ -234,15 +234,16 @@ def _readiness(server, model: str) -> dict[str, bool]:
 
     with grpc.insecure_channel(server.target) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-        v2 = {name: channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=M[f"{name}Request"].SerializeToString,
-                                        response_deserializer=M[f"{name}Response"].FromString)
-              for name in ("ServerReady", "ModelReady")}
+    v2 = triton.InferenceServerClient(server.target)
+    try:
         return {"grpc health": check.status == health_pb2.HealthCheckResponse.SERVING,
-                "v2 gRPC ServerReady": v2["ServerReady"](M["ServerReadyRequest"](), timeout=10).ready,
-                "v2 gRPC ModelReady": v2["ModelReady"](M["ModelReadyRequest"](name=model), timeout=10).ready,
+                "v2 gRPC ServerReady": v2.is_server_ready(client_timeout=10),
+                "v2 gRPC ModelReady": v2.is_model_ready(model, client_timeout=10),
                 "v2 REST /v2/health/ready": http("/v2/health/ready"),
                 "v2 REST model ready": http(f"/v2/models/{model}/ready"),
                 "HTTP /health": http("/health")}
+    finally:
+        v2.close()
 
 
 def test_every_readiness_surface_turns_not_ready_in_the_drain_delay_while_calls_are_still_answered(

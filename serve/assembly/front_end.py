@@ -5,7 +5,8 @@ every check, the answers) over models that run in the engine process.
   RemoteRepository  the engine's repository, called over the wire (load, unload, index, reload)
   Mirror            the engine's news, applied here: the served models (an Engine each, whose rows run in the
                     engine: serve/core/remote.py), the models loading or unloading, the drain delay, the drain
-  serve_front_end   the process: up, listening and serving, told the engine; it drains when the engine drains
+  serve_front_end   the process: its models told by the engine, then listening (so a front end started again
+                    takes no connection before it can serve), told the engine; it drains when the engine drains
                     (or on its own SIGTERM) and exits 0; when the engine is gone (its pipe closed) it answers
                     every call it holds UNAVAILABLE and exits 1
 """
@@ -123,14 +124,13 @@ def serve_front_end(config: ServerConfig) -> int:
     mirror.server = server
     link.start()
     threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
-    server.start()
     link.tell("hello")
     try:
-        server.load()
+        server.load()  # before listening: a front end started again takes no connection it cannot serve yet
     except ServeError as error:
         logs.event(log, "startup_failed", logging.ERROR, error=error.message)
-        server.shutdown(0)
-        return 1
+        return 1  # never listened: nothing to drain
+    server.start()
     link.tell("listening", transport=server.transport.name, port=server.port,
               http_port=server.http.port if server.http is not None else None)
     mirror.drain.wait()
