@@ -14,6 +14,7 @@ the hooks in tests/conftest.py.
 from __future__ import annotations
 
 import os
+import sys
 
 # One unit: the files that drive the Docker engine (tests/docker_env.py).
 DOCKER_FILES = ("tests/test_deploy_doc_commands.py", "tests/test_deploy_gpu_image.py", "tests/test_deploy_lb.py",
@@ -43,8 +44,6 @@ def limit_threads() -> None:
     """One PyTorch (OpenMP) thread in this worker and in the processes it starts (export CLIs); an explicit
     OMP_NUM_THREADS is kept."""
     os.environ.setdefault("OMP_NUM_THREADS", WORKER_THREADS)
-    import sys
-
     if "torch" in sys.modules:  # imported before this ran: set it there too
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -815,17 +815,17 @@ def test_an_unknown_path_is_404_and_a_known_path_with_another_method_405_in_its_
     assert router.match("POST", "/v2/models/m/ready").status == 405
 
 
-def test_every_route_is_in_the_listing_and_every_task_route_in_the_fit_table():
+def test_every_route_is_in_the_listing_and_every_task_route_names_a_core_verb(router):
     import json
 
     from serve.core.tasks import VERBS
     from serve.protocols import routes
 
     listing = json.loads(routes.LISTING)
-    verbs = routes.router(None).verbs  # what a refused task call names (the router's fit table)
     for route in routes.ROUTES:
         assert route.method.lower() in listing["paths"][route.path], route.key
-        assert route.verb is None or (route.verb in VERBS and verbs[route.key] == route.verb)
+        assert route.verb is None or route.verb in VERBS, route.key
+    assert set(router.verbs) == {route.key for route in routes.ROUTES if route.verb is not None}
 
 
 def test_a_route_declared_twice_is_refused_when_the_router_is_built():
