@@ -17,6 +17,8 @@ long_input_grpc.py   time(32k)/time(4k), a window row over gRPC | linear work (8
 modernbert_bench.py  ModernBERT-base shape, 8k+: ms, RSS | dense graph, HF sdpa/eager | python -m bench.modernbert_bench
 front_end.py         server CPU per request: front end vs model | KServe v2 on one server | python -m bench --front-end
 core_cost.py         serving code's own CPU per request, backend nulled | v2 gRPC vs v2 REST | python -m bench.core_cost
+gpu_request_path.py  server tokens/s vs in process, GPU busy, 1 and N front ends | the same graph in process |
+                     python -m bench.gpu_request_path (a GPU host; --device cpu --quick checks the script)
 many_models.py       two models, one host: share, quiet p50 | two processes vs one server | python -m bench --models
 infinity_http.py     sentences/s, p50 over /v1/embeddings (+ gRPC) | infinity-emb (peer) | python -m bench.infinity_http
 rerank_bench.py      rerank pairs/s, p50 | infinity-emb /rerank, CrossEncoder in process | python -m bench.rerank_bench
@@ -40,4 +42,6 @@ Targets and peers, by issue (the figures and verdicts: docs/performance.md):
   28      modernbert_bench.py: the long-input graph <= 0.45x transformers' sdpa time at 8k
   29      rerank_bench.py: >= 1.5x infinity-emb's fastest engine, >= 2x CrossEncoder in process
   32      big_model.py: server RSS <= 1.3x the weights, tokens/s >= 1.5x sentence-transformers at 8 x 256
+  40      Triton's native backend on a 1-layer 32-wide export (compare.sh --export-dir): req/s >= 1.0x, lone p50
+          <= 1.2x; the default model no worse than before; gpu_request_path.py: the server >= 0.7x in process
 """

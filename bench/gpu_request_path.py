@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -33,19 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import REPO, latency_summary, metric_sum, running_server, scrape_metrics
+from bench.harness import (REPO, closed_loop, cpu_seconds, latency_summary, metric_sum, running_server,
+                           scrape_metrics, sentence)
 
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-WORDS = ("the quick brown fox jumps over a lazy dog while the river runs past old stone walls and green "
-         "fields under a wide grey sky").split()
 PROCESSES = 8  # client processes: one Python process cannot send for 256 clients without being the limit
 
 
 def text_of(tokens: int, seed: int) -> str:
-    """A text of about `tokens` word-piece tokens (the words above are one token each)."""
-    rng = np.random.default_rng(seed)
-    return " ".join(rng.choice(WORDS, tokens - 2))
+    """A text of about `tokens` word-piece tokens, special tokens included (harness.sentence: a word each, and
+    its full stop)."""
+    return sentence(max(1, tokens - 3), random.Random(seed))
 
 
 def make_export(workdir: Path, shape: dict, device: str) -> Path:
@@ -72,30 +72,40 @@ def make_export(workdir: Path, shape: dict, device: str) -> Path:
     return export
 
 
-def in_process_tokens_per_s(export: Path, device: str, rows: int, length: int, seconds: float) -> float:
-    """ONNX Runtime alone on the served graph: tokens/s at (rows, length), run back to back."""
-    from serve.backend.export_dir import load_export
-    from serve.backend.session import OnnxRuntimeBackend, dummy_batch
+class InProcess:
+    """ONNX Runtime alone on the served graph, the backend built once: tokens/s at (rows, length), run back to
+    back, each shape measured once."""
 
-    graph = "fp16" if device == "cuda" else "optimized"
-    backend = OnnxRuntimeBackend(load_export(export, graph), device=device)
-    batch = dummy_batch(backend.export.config, rows, length)
-    for _ in range(5):
-        backend.encode(batch)
-    runs, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        backend.encode(batch)
-        runs += 1
-    return runs * rows * length / (time.perf_counter() - started)
+    def __init__(self, export: Path, device: str) -> None:
+        from serve.backend.export_dir import load_export
+        from serve.backend.session import OnnxRuntimeBackend
+
+        graph = "fp16" if device == "cuda" else "optimized"
+        self.backend = OnnxRuntimeBackend(load_export(export, graph), device=device)
+        self.measured: dict[tuple[int, int], float] = {}
+
+    def tokens_per_s(self, rows: int, length: int, seconds: float) -> float:
+        if (rows, length) not in self.measured:
+            from serve.backend.session import dummy_batch
+
+            batch = dummy_batch(self.backend.export.config, rows, length)
+            for _ in range(5):
+                self.backend.encode(batch)
+            runs, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                self.backend.encode(batch)
+                runs += 1
+            self.measured[rows, length] = runs * rows * length / (time.perf_counter() - started)
+        return self.measured[rows, length]
 
 
 def _client_process(protocol: str, target: str, http_target: str, model: str, clients: int, tokens: int, seconds: float,
-                    start_at: float, out) -> None:
-    """One client process: `clients` threads, each its own connection, back to back until the window ends."""
-    lock, latencies, errors = threading.Lock(), [], [0]
-    end = start_at + seconds
+                    window_at: float, out) -> None:
+    """One client process: `clients` closed-loop threads (harness.closed_loop), each its own connection, counted
+    from wall-clock time `window_at` (the window every process and the server's CPU reading share) for
+    `seconds`."""
 
-    def run(seed: int) -> None:
+    def caller(seed: int):
         text = text_of(tokens, seed)
         if protocol == "grpc":
             import grpc
@@ -107,43 +117,30 @@ def _client_process(protocol: str, target: str, http_target: str, model: str, cl
             stub, request = pb_grpc.EncoderServiceStub(channel), build_request((), texts=[text])
             request.model = model
 
-            def call() -> None:
+            def encode() -> None:  # nothing kept: closed_loop holds what a call returns
                 stub.Encode(request, timeout=60.0)
-        else:
-            import http.client
 
-            import orjson
+            return encode
+        import http.client
 
-            host, port = http_target.rsplit(":", 1)
-            connection = http.client.HTTPConnection(host, int(port), timeout=60.0)
-            body = orjson.dumps({"model": model, "input": [text]})
+        import orjson
 
-            def call() -> None:
-                connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
-                answer = connection.getresponse()
-                answer.read()
-                if answer.status != 200:
-                    raise RuntimeError(f"HTTP {answer.status}")
+        host, port = http_target.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=60.0)
+        body = orjson.dumps({"model": model, "input": [text]})
 
-        while time.time() < start_at:
-            time.sleep(0.001)  # a deliberate wait for the common start (a measuring window, not an ordering)
-        while time.time() < end:
-            t0 = time.perf_counter()
-            try:
-                call()
-            except Exception:
-                with lock:
-                    errors[0] += 1
-                continue
-            with lock:
-                latencies.append((time.perf_counter() - t0) * 1e3)
+        def call() -> None:
+            connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+            answer = connection.getresponse()
+            answer.read()
+            if answer.status != 200:
+                raise RuntimeError(f"HTTP {answer.status}")
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.put((latencies, errors[0]))
+        return call
+
+    calls = [caller(i) for i in range(clients)]
+    load = closed_loop(calls, seconds=seconds, warmup_s=max(0.1, window_at - time.time()))
+    out.put((load.latencies_ms, load.errors))
 
 
 class GpuBusy:
@@ -184,24 +181,21 @@ def server_load(export: Path, device: str, front_ends: int, protocol: str, clien
              "--metrics-host", "127.0.0.1", "--http-port", "0", "--max-queue-size", str(4 * clients),
              *(["--front-ends", str(front_ends)] if front_ends else [])]
     with running_server(export, flags) as server:
-        import psutil
-
-        processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         queue = multiprocessing.get_context("spawn").Queue()
         per = [clients // PROCESSES + (1 if i < clients % PROCESSES else 0) for i in range(PROCESSES)]
-        start_at = time.time() + 3.0  # every client connected and warm
+        window_at = time.time() + 5.0  # every client process started, connected and warm (2 s of load) by then
         workers = [multiprocessing.get_context("spawn").Process(
             target=_client_process, args=(protocol, server.target, f"127.0.0.1:{server.http_port}", "", n, tokens,
-                                          seconds + 2.0, start_at, queue)) for n in per if n]
+                                          seconds, window_at, queue)) for n in per if n]
         for worker in workers:
             worker.start()
-        while time.time() < start_at + 2.0:  # the first 2 s of the load are warm-up
+        while time.time() < window_at:  # a measuring window by design, shared with the client processes
             time.sleep(0.05)
-        cpu0 = sum(p.cpu_times().user + p.cpu_times().system for p in processes)
+        cpu0 = cpu_seconds(server.pid, children=True)  # every process of the server, its front ends included
         scrape0 = scrape_metrics(server.metrics_port)
         with GpuBusy() as busy:
             time.sleep(seconds)
-        cpu1 = sum(p.cpu_times().user + p.cpu_times().system for p in processes)
+        cpu1 = cpu_seconds(server.pid, children=True)
         scrape1 = scrape_metrics(server.metrics_port)
         results = [queue.get(timeout=120) for _ in workers]
         for worker in workers:
@@ -249,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
                   f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "
                   f"server CPU {r['server_cpu_ms_per_request']:.3f} ms/req  errors {r['errors']}", flush=True)
+    in_process = InProcess(export, args.device)
     for r in rows:  # in process at the shape the server ran (its rows per run, the texts' tokens)
         shape_rows = max(1, round(r["rows_per_run"] or 1))
-        r["in_process_tokens_per_s"] = in_process_tokens_per_s(export, args.device, shape_rows, args.tokens,
-                                                               min(10.0, args.seconds / 3))
+        r["in_process_tokens_per_s"] = in_process.tokens_per_s(shape_rows, args.tokens, min(10.0, args.seconds / 3))
         r["server_over_in_process"] = r["tokens_per_s"] / r["in_process_tokens_per_s"]
         print(f"front ends {r['front_ends']} {r['protocol']:4s}: server / in process "
               f"{r['server_over_in_process']:.2f} (in process {r['in_process_tokens_per_s']:.0f} tokens/s at "

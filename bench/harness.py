@@ -218,10 +218,20 @@ class RssSampler:
 # -- CPU -------------------------------------------------------------------------------------------------------
 
 def cpu_seconds(pid: int | None = None, *, children: bool = False) -> float:
-    """User + system CPU seconds of process `pid` (None: this one), with its waited-for children's when
-    `children`."""
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system + (times.children_user + times.children_system if children else 0.0)
+    """User + system CPU seconds of process `pid` (None: this one); with `children`, its children's too: the
+    live ones (recursive: a server's front ends) and those it has waited for (one replaced mid-run)."""
+    process = psutil.Process(pid)
+    times = process.cpu_times()
+    total = times.user + times.system
+    if children:
+        total += times.children_user + times.children_system
+        for child in process.children(recursive=True):
+            try:
+                child_times = child.cpu_times()
+            except psutil.Error:  # gone since it was listed: its time is in the waited-for figure
+                continue
+            total += child_times.user + child_times.system
+    return total
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
