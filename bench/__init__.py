@@ -23,6 +23,8 @@ many_models.py       two models, one host: share, quiet p50 | two processes vs o
 infinity_http.py     sentences/s, p50 over /v1/embeddings (+ gRPC) | infinity-emb (peer) | python -m bench.infinity_http
 rerank_bench.py      rerank pairs/s, p50 | infinity-emb /rerank, CrossEncoder in process | python -m bench.rerank_bench
 big_model.py         a big checkpoint: RSS/weights, tokens/s, cosine | sentence-transformers | python -m bench.big_model
+pooled_clients.py    p50/p99 after idle gaps, req/s of 8 | openai, requests, httpx clients; checkouts A/B |
+                     python -m bench.pooled_clients EXPORT [--serve-from CHECKOUT ...]
 soak.py              failures, RSS growth, p99 drift, 70 % load, gRPC + HTTP | its minutes 1, 2 | python -m bench.soak
 harness.py           no benchmark: the shared pieces above | - | imported
 
