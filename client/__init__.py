@@ -212,7 +212,7 @@ class EncoderClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client")
+    parser = argparse.ArgumentParser(prog="python -m client", allow_abbrev=False)
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call, retries and waiting included")
     parser.add_argument("--retries", type=int, default=3,

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m export",
         description="Export the reference encoder (or a checkpoint) to validated ONNX with metadata.",
+        allow_abbrev=False,  # a flag only by its whole name, as python -m serve's
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
