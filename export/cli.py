@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="state dict (.safetensors or .pt) of our Encoder to load")
-    source.add_argument("--from-pretrained", type=Path, metavar="DIR",
-                        help="a Hugging Face directory (config.json, model.safetensors, tokenizer.json, sentence-"
+    source.add_argument("--from-pretrained", metavar="DIR|ORG/NAME[@REV]",
+                        help="a Hugging Face model id (resolved by huggingface_hub: its cache, HF_HUB_OFFLINE, "
+                             "HF_TOKEN) or directory (config.json, model.safetensors, tokenizer.json, sentence-"
                              f"transformers files) of model_type {', '.join(SUPPORTED_MODEL_TYPES)}; a "
                              "*ForSequenceClassification checkpoint (a cross-encoder, a classifier) is exported with "
                              "its classification head, a sentence-transformers SparseEncoder with its SPLADE head")
@@ -79,6 +80,16 @@ def _parse_overrides(pairs: list[str]) -> dict:
     return overrides
 
 
+def _checkpoint_directory(source: str) -> Path:
+    """--from-pretrained's directory: as given, or a model id's snapshot in the Hugging Face cache."""
+    from model.hub import HubError, resolve, split_revision
+
+    try:
+        return resolve(*split_revision(source)).directory
+    except HubError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
     """One dict of export_model keyword arguments per export to write; files they copy in (a projection's
     arrays) are written into `scratch`, which must outlive the exports."""
@@ -89,7 +100,7 @@ def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
     if args.minilm or args.from_pretrained:
         from model.hf_pretrained import load_pretrained, minilm_path
 
-        directory = minilm_path() if args.minilm else args.from_pretrained
+        directory = minilm_path() if args.minilm else _checkpoint_directory(args.from_pretrained)
         pretrained = load_pretrained(directory, drop_head=args.encoder_only, head=args.head)
         config = pretrained.config
         if args.name:

@@ -46,6 +46,17 @@ class ServerConfig:
     # Many models (serve/assembly/repository.py, docs/serving.md "Many models"): every subfolder of this
     # folder with a metadata.json is served under the subfolder's name; set, it replaces export_dir
     model_repository: str = ""
+    # Models by id (serve/assembly/model_ids.py, docs/serving.md "Models by id"): [NAME=]ORG/NAME[@REVISION] or a
+    # checkpoint / export directory; repeatable (comma-joined here and in ENCODER_MODEL). Resolved by
+    # huggingface_hub, exported on first use into export_cache, served as a repository: set, they replace
+    # export_dir and exclude model_repository
+    model: str = ""
+    models_file: str = ""  # the same, one per line (# comments): for compose and k8s
+    export_cache: str = ""  # "": $XDG_CACHE_HOME/onnx-encoder/exports, else ~/.cache/onnx-encoder/exports
+    prepare_only: bool = False  # resolve and export the models into export_cache, then exit 0 (the warm-up job)
+    # the graphs exported for them (python -m export --graphs; part of the cache key); "": fp32,optimized,long
+    # and, where the server may run on CUDA (device cuda or auto), fp16
+    export_graphs: str = ""
     # the model a request that names none runs on when more than one is served ("": only one may be)
     default_model: str = ""
     # what loaded models may hold together (graphs, sessions, warm-up arenas), in MiB; a load past it is
@@ -173,6 +184,10 @@ class ServerConfig:
             raise ValueError(f"instances must be >= 0 (0: one per model), got {self.instances}")
         if self.memory_budget_mb < 0:
             raise ValueError(f"memory_budget_mb must be >= 0 (0: a share of memory), got {self.memory_budget_mb}")
+        if (self.model or self.models_file) and self.model_repository:
+            raise ValueError("model / models_file and model_repository both name the models; pass one")
+        if self.prepare_only and not (self.model or self.models_file):
+            raise ValueError("prepare_only exports the models of model / models_file: name at least one")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
 
@@ -198,6 +213,9 @@ def _converter(field: dataclasses.Field):
     return {"bool": _parse_bool, "int": int, "float": float}.get(str(field.type), str)
 
 
+REPEATABLE = ("model",)  # flags given once per value; the field holds them comma-joined
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev off: a flag is taken only by its whole name (--model must never mean --model-repository)
     parser = argparse.ArgumentParser(prog="python -m serve", description="gRPC encoder service on ONNX Runtime",
@@ -205,8 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(ServerConfig):
         flag = "--" + field.name.replace("_", "-")
         extra = {"choices": DEVICES} if field.name == "device" else {}
+        if field.name in REPEATABLE:
+            extra["action"] = "append"
         parser.add_argument(flag, dest=field.name, type=_converter(field), default=None,
-                            help=f"default {field.default!r}; env {ENV_PREFIX}{field.name.upper()}", **extra)
+                            help=f"default {field.default!r}; env {ENV_PREFIX}{field.name.upper()}"
+                                 + (" (repeatable; comma-separated in the env)" if field.name in REPEATABLE else ""),
+                            **extra)
     return parser
 
 
@@ -222,5 +244,5 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
             except ValueError as error:
                 raise ValueError(f"{key}={environ[key]!r}: {error}") from None
     args = build_parser().parse_args(argv)
-    values.update({k: v for k, v in vars(args).items() if v is not None})
+    values.update({k: ",".join(v) if k in REPEATABLE else v for k, v in vars(args).items() if v is not None})
     return ServerConfig(**values)

@@ -169,10 +169,11 @@ def serve_start(tmp_path_factory):
     """Starts `python -m serve` as a subprocess on 127.0.0.1, port 0; returns a ServeProcess once SERVING."""
     started: list[ServeProcess] = []
 
-    def start(export_dir: Path, *flags: str, wait: bool = True, timeout: float = 60.0) -> ServeProcess:
+    def start(export_dir: Path, *flags: str, wait: bool = True, timeout: float = 60.0,
+              env: dict[str, str] | None = None) -> ServeProcess:
         workdir = tmp_path_factory.mktemp("serve-proc")
         port_file, log_path = workdir / "ports.json", workdir / "server.log"
-        env = repo_env()
+        env = {**repo_env(), **(env or {})}
         proc = subprocess.Popen(
             [sys.executable, "-m", "serve", "--export-dir", str(export_dir), "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", "0", "--port-file", str(port_file), *flags],

@@ -1,5 +1,5 @@
 """Every command line of ours takes a flag only by its whole name: argparse's prefix matching would read
-`python -m serve --model X` as `--model-repository X` and `python -m export --from X` as `--from-pretrained X`,
+`python -m serve --model-repo X` as `--model-repository X` and `python -m export --from X` as `--from-pretrained X`,
 silently (issue 41)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _client(argv):
 
 
 @pytest.mark.parametrize("parse, prefix, rest", [
-    (_serve, "--model", []),  # of --model-repository
+    (_serve, "--model-repo", []),  # of --model-repository
     (_export, "--from", []),  # of --from-pretrained
     (_client, "--targ", ["health"]),  # of --target, before the command
 ], ids=["serve", "export", "client"])

@@ -1,0 +1,161 @@
+"""Models named by id: `python -m serve --model BAAI/bge-base-en-v1.5` (repeatable; `NAME=ID`, `ID@REVISION`, a
+checkpoint or export directory; `--models-file` lists them one per line, for compose and k8s).
+
+Before the server listens, each model is resolved (model/hub.py: huggingface_hub's cache, HF_HUB_OFFLINE,
+HF_TOKEN) and, unless it already is an export, looked up in the export cache (model/export_cache.py,
+`--export-cache`): found, it is served as it is (the server's own checks of its files, as for any export);
+missing, it is exported first by the exporter's own process (`python -m export --from-pretrained`, its progress
+lines in this server's output), under the cache's lock, so two servers starting at once export once. The
+models are then served as a repository of links (`<cache>/served/<names and entries>/NAME -> entry`).
+
+All or nothing: a model that cannot be resolved or exported stops the start with one line naming it, the cache
+and what to do (ModelSourceError); no model is served without the others. serve/ never imports torch: a server
+installed without the exporter (no torch) says which job fills the cache (`--prepare-only`, where the export
+extra is installed).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from model.export_cache import ExportCache, default_root
+from model.export_format import METADATA_FILE
+from model.hub import HubError, ModelSpec, Resolved, parse_spec, resolve
+from serve import logs
+from serve.config import ServerConfig
+
+log = logging.getLogger("serve.models")
+
+EXPORT_GRAPHS = "fp32,optimized,long"  # the exporter's default; fp16 added where the server may run on CUDA
+
+
+class ModelSourceError(ValueError):
+    """A model named by id or directory that cannot be served; one line."""
+
+
+def specs_of(config: ServerConfig) -> list[ModelSpec]:
+    """--model (comma-joined when repeated) and --models-file (one per line; blank lines and # comments skipped)."""
+    texts = [t for t in config.model.split(",") if t.strip()]
+    if config.models_file:
+        try:
+            lines = Path(config.models_file).read_text().splitlines()
+        except OSError as error:
+            raise ModelSourceError(f"models_file {config.models_file}: {error.strerror}") from None
+        texts += [line.split("#", 1)[0] for line in lines if line.split("#", 1)[0].strip()]
+    try:
+        specs = [parse_spec(text) for text in texts]
+    except HubError as error:
+        raise ModelSourceError(str(error)) from None
+    names = collections.Counter(spec.name for spec in specs)
+    twice = sorted(name for name, count in names.items() if count > 1)
+    if twice:
+        raise ModelSourceError(f"model name {', '.join(twice)} given twice; name them apart: NAME=ID")
+    return specs
+
+
+def export_options(config: ServerConfig) -> list[str]:
+    """The exporter's options for this server (part of the cache key): fp16 too where it may run on CUDA."""
+    graphs = config.export_graphs or EXPORT_GRAPHS + (",fp16" if config.device in ("cuda", "auto") else "")
+    return ["--graphs", graphs]
+
+
+def run_exporter(directory: Path, options: list[str], out_dir: Path, name: str, what: str) -> None:
+    """`python -m export --from-pretrained DIRECTORY` as a process of its own; its progress lines go to this
+    server's output as they come. A failure raises ModelSourceError with the exporter's last line."""
+    command = [sys.executable, "-m", "export", "--from-pretrained", str(directory), "--out-dir", str(out_dir),
+               "--name", name, *options]
+    logs.event(log, "export_started", model=what, checkpoint=str(directory))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last = collections.deque(maxlen=3)
+    for line in process.stdout:
+        sys.stderr.write(f"[export {what}] {line}")
+        if line.strip():
+            last.append(line.strip())
+    if process.wait() != 0:
+        reason = last[-1] if last else f"exit {process.returncode}"
+        raise ModelSourceError(f"model {what}: the export failed: {reason}")
+
+
+def _validation_line(export_dir: Path) -> str:
+    """The export's parity proof, one entry per graph: graph metric worst <= limit (cases)."""
+    try:
+        graphs = json.loads((export_dir / METADATA_FILE).read_text()).get("graphs", {})
+    except (OSError, ValueError):
+        return "unreadable metadata"
+    parts = []
+    for graph, info in graphs.items():
+        v = info.get("validation") or {}
+        if v:
+            relation = "<=" if v.get("metric") == "max_abs" else ">="
+            parts.append(f"{graph} {v.get('metric')} {v.get('worst'):.2g} {relation} {v.get('limit'):g} "
+                         f"({v.get('cases')} cases)")
+    return "; ".join(parts) or "no validation recorded"
+
+
+def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: list[str]) -> tuple[Path, bool]:
+    """(the export to serve for a resolved model, whether this start exported it)."""
+    if (resolved.directory / METADATA_FILE).is_file():  # already an export: served as it is
+        return resolved.directory, False
+    what = f"{spec.name} ({spec.source}{'@' + spec.revision if spec.revision else ''})"
+    source = {"source": spec.source, "revision": spec.revision, "commit": resolved.commit}
+    _, found = cache.lookup(resolved.directory, options)
+    if found is None and importlib.util.find_spec("torch") is None:
+        raise ModelSourceError(
+            f"model {what} is not in the export cache {cache.root} and this installation cannot export (no torch: "
+            "the export extra); fill the cache where it is installed (the export image or `pip install "
+            f"'.[export]'`): python -m serve --prepare-only true --model {spec.source} --export-cache {cache.root}")
+    return cache.get(resolved.directory, options, source,
+                     lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
+
+
+def served_repository(root: Path, exports: dict[str, Path]) -> Path:
+    """A repository folder of links NAME -> export, one per set of (name, export); made whole, then renamed."""
+    digest = hashlib.sha256(json.dumps({n: str(p) for n, p in sorted(exports.items())}).encode()).hexdigest()[:16]
+    repository = root / "served" / digest
+    if repository.is_dir():
+        return repository
+    repository.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=repository.parent))
+    for name, export in exports.items():
+        os.symlink(export.resolve(), scratch / name)
+    try:
+        os.rename(scratch, repository)
+    except OSError:  # made meanwhile by another server with the same models
+        for link in scratch.iterdir():
+            link.unlink()
+        scratch.rmdir()
+    return repository
+
+
+def prepare(config: ServerConfig) -> ServerConfig:
+    """The config to serve with: the models of --model / --models-file resolved, exported where needed, and
+    served as a repository (model_repository set; model, models_file and prepare_only cleared: what the
+    front ends read is a repository). Unchanged without them."""
+    specs = specs_of(config)
+    if not specs:
+        return config
+    cache = ExportCache(Path(config.export_cache) if config.export_cache else default_root())
+    options = export_options(config)
+    exports = {}
+    for spec in specs:
+        try:
+            resolved = resolve(spec.source, spec.revision)
+        except HubError as error:
+            raise ModelSourceError(str(error)) from None
+        exports[spec.name], exported = export_of(spec, resolved, cache, options)
+        cached = "given" if exports[spec.name] == resolved.directory else "exported" if exported else "hit"
+        logs.event(log, "model_source", model=spec.name, source=spec.source, revision=spec.revision or "",
+                   commit=resolved.commit or "", export=str(exports[spec.name]), cache=cached,
+                   validation=_validation_line(exports[spec.name]))
+    repository = served_repository(cache.root, exports)
+    return dataclasses.replace(config, model="", models_file="", prepare_only=False, model_repository=str(repository))
