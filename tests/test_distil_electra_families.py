@@ -174,9 +174,10 @@ def test_without_its_embedding_projection_electra_small_does_not_load(electra):
     """The control: with embedding_size=0 (no projection) electra-small's 16-wide embeddings fit no 32-wide layer,
     and its embeddings_project has no home: the strict loader names both."""
     _, loaded, _, _ = electra
-    state = {k: v for k, v in loaded.encoder.state_dict().items() if not k.startswith("embeddings.project.")}
-    with pytest.raises(CheckpointError, match="embeddings.tokens.weight"):
-        fit_encoder(loaded.config.replace(embedding_size=0), state, origin="test")
+    unexpected = r"unexpected \(2\): embeddings\.project\.weight, embeddings\.project\.bias;"
+    narrow = r"embeddings\.tokens\.weight: checkpoint \(101, 16\) vs encoder \(101, 32\)"
+    with pytest.raises(CheckpointError, match=f"{unexpected}.*{narrow}"):
+        fit_encoder(loaded.config.replace(embedding_size=0), loaded.encoder.state_dict(), origin="test")
 
 
 def test_a_projection_applied_before_the_norm_would_not_match(electra):
