@@ -66,6 +66,10 @@ class EncoderConfig:
     # BERT-family extras: token-type embeddings (0 = none), LayerNorm after the embeddings.
     type_vocab_size: int = 0
     embedding_layer_norm: bool = False
+    # Factorised embeddings (ELECTRA-small's embeddings_project): 0 = none, the embeddings are d_model wide; > 0 =
+    # the token / position / token-type embeddings and their norm are embedding_size wide, then a
+    # Linear(embedding_size, d_model) (embeddings.project) maps them to the layers' width. Tokens input only.
+    embedding_size: int = 0
     layer_norm_eps: float = 1e-5
     pad_token_id: int = 0
     # Variant switches.
@@ -162,6 +166,10 @@ class EncoderConfig:
             raise ConfigError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
         if (self.kv_heads != self.n_heads or self.qk_norm) and self.attention not in ("softmax",):
             raise ConfigError("n_kv_heads and qk_norm need attention='softmax'")
+        if self.embedding_size < 0:
+            raise ConfigError(f"embedding_size must be >= 0 (0: no projection), got {self.embedding_size}")
+        if self.embedding_size and self.input_kind != "tokens":
+            raise ConfigError("embedding_size needs input_kind='tokens' (features arrive d_model wide)")
         if self.embedding_scale <= 0:
             raise ConfigError(f"embedding_scale must be > 0, got {self.embedding_scale}")
         if self.input_kind == "tokens" and self.vocab_size < 1:

@@ -60,11 +60,13 @@ class Embeddings(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
-        d = config.d_model
+        d = config.embedding_size or config.d_model  # the embeddings' width (factorised: embedding_size)
         self.tokens = nn.Embedding(config.vocab_size, d) if config.input_kind == "tokens" else None
         self.token_types = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
         self.positions = nn.Embedding(config.max_positions, d) if config.positional == "learned" else None
-        self.norm = make_norm(config) if config.embedding_layer_norm else None
+        self.norm = make_norm(config, d) if config.embedding_layer_norm else None
+        # ELECTRA-small's embeddings_project: embedding_size -> d_model, after the norm
+        self.project = nn.Linear(d, config.d_model, bias=config.linear_bias) if config.embedding_size else None
 
     def forward(self, x: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         h = self.tokens(x) if self.tokens is not None else x  # (B, T, D)
@@ -76,11 +78,13 @@ class Embeddings(nn.Module):
         elif self.positions is not None:
             h = h + self.positions.weight[:length][None]
         elif self.config.positional == "sinusoidal":
-            h = h + sinusoidal_positions(length, self.config.d_model, h.device)[None]
+            h = h + sinusoidal_positions(length, h.shape[-1], h.device)[None]
         if self.token_types is not None:
             h = h + self.token_types(token_type_ids)
         if self.norm is not None:
             h = self.norm(h)
+        if self.project is not None:
+            h = self.project(h)  # (B, T, embedding_size) -> (B, T, D)
         return h
 
 

@@ -102,8 +102,9 @@ def check_bert_config(hf: Mapping[str, Any]) -> None:
 
 
 def bert_layout_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = (), *,
-                       position_ids: str = "range") -> EncoderConfig:
-    """EncoderConfig of a config.json check_bert_config passed, with the family's position ids."""
+                       position_ids: str = "range", **fields: Any) -> EncoderConfig:
+    """EncoderConfig of a config.json check_bert_config passed, with the family's position ids and other `fields`
+    (ELECTRA's embedding_size)."""
     return encoder_config(
         hf, name, source,
         max_positions=int(hf["max_position_embeddings"]),
@@ -113,6 +114,7 @@ def bert_layout_config(hf: Mapping[str, Any], name: str, source: Mapping[str, An
         positional="learned",
         position_ids=position_ids,
         activation=BERT_ACTIVATIONS[hf.get("hidden_act", "gelu")],
+        **fields,
     )
 
 
