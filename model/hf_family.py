@@ -88,11 +88,13 @@ DECODER_LAYER_MODULES: Mapping[str, str] = {
 
 
 def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer_pattern: re.Pattern = OUR_LAYER_NAME,
-               layer_name: str = "layers.{index}.{module}.{suffix}", fused: Mapping[str, tuple[str, ...]] = {}):
+               layer_name: str = "layers.{index}.{module}.{suffix}",
+               fused: Mapping[str, tuple[str, ...]] | None = None):
     """(to_encoder, name_in_checkpoint) of a family whose tensors map through two tables: whole names (theirs ->
     ours) and per-layer modules, its layers named by `layer_pattern` (index, module, suffix) and, the other way,
     by `layer_name`. `fused`: per-layer modules whose rows are several of ours stacked in order (a fused Wqkv:
     q, k, v), split into equal row blocks."""
+    fused = fused or {}
 
     def to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
         if name in names:
@@ -115,8 +117,8 @@ def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer
         for module, parts in fused.items():
             if match and match.group(2) in parts:
                 index, ours, suffix = match.groups()
-                block = parts.index(ours)
-                return layer_name.format(index=index, module=module, suffix=suffix) + f" (row block {block + 1} of {len(parts)})"
+                shown = layer_name.format(index=index, module=module, suffix=suffix)
+                return f"{shown} (row block {parts.index(ours) + 1} of {len(parts)})"
         return checkpoint_name(name, names, layer_modules, layer_name)
 
     return to_encoder, name_in_checkpoint

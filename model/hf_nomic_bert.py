@@ -148,8 +148,8 @@ def nomic_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = (
         raise CheckpointError(f"the NomicBERT MoE variant ({', '.join(f'{k}={hf[k]}' for k in moe)}; "
                               "nomic-embed-text-v2-moe) is not supported: transformers' NomicBertModel has no "
                               "MoE layers to compare with")
-    return rotary_bert_config({"type_vocab_size": 2, **from_hub_keys(hf)}, name, source, default_theta=1000.0, default_act="silu",
-                              linear_bias=False)
+    return rotary_bert_config({"type_vocab_size": 2, **from_hub_keys(hf)}, name, source, default_theta=1000.0,
+                              default_act="silu", linear_bias=False)
 
 
 FAMILY = Family(

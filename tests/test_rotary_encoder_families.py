@@ -190,7 +190,8 @@ def nomic_hub_checkpoint(reference) -> tuple[dict, dict]:
     state = dict(reference.state_dict())
     hub = {"embeddings.word_embeddings.weight": state.pop("embeddings.word_embeddings.weight"),
            "embeddings.token_type_embeddings.weight": state.pop("embeddings.token_type_embeddings.weight"),
-           "emb_ln.weight": state.pop("embeddings.LayerNorm.weight"), "emb_ln.bias": state.pop("embeddings.LayerNorm.bias")}
+           "emb_ln.weight": state.pop("embeddings.LayerNorm.weight"),
+           "emb_ln.bias": state.pop("embeddings.LayerNorm.bias")}
     renames = {"self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc11", "mlp.gate_proj": "mlp.fc12",
                "mlp.down_proj": "mlp.fc2", "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
     c = reference.config
@@ -212,7 +213,8 @@ def nomic_hub_checkpoint(reference) -> tuple[dict, dict]:
 
 
 def gte_hub_checkpoint(reference) -> tuple[dict, dict]:
-    """(state, config.json) of `reference` as Alibaba-NLP/new-impl saves it: model_type "new", qkv_proj, up_gate_proj."""
+    """(state, config.json) of `reference` as Alibaba-NLP/new-impl saves it: model_type "new", fused qkv_proj and
+    up_gate_proj."""
     state = dict(reference.state_dict())
     hub = {k: state.pop(k) for k in list(state) if k.startswith("embeddings.")}
     renames = {"self_attn.o_proj": "attention.o_proj", "mlp.down_proj": "mlp.down_proj",
