@@ -5,7 +5,8 @@ registry, the one tuple of them, is hf_pretrained.FAMILIES. Adding a family is o
 there.
 
 Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
-`require`, `encoder_config`).
+`require`, `encoder_config`, `table_maps` with its fused row blocks, the rotary readers `plain_rope_theta` and
+`scaled_rope`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ Two layouts load:
   - model_type "new": the hub's remote-code one (Alibaba-NLP/new-impl: BERT's keys with rope_theta /
     rope_scaling, encoder.layer.{i}.attention.qkv_proj fused q, k, v, mlp.up_gate_proj fused up then gate,
     attn_ln / mlp_ln), whose switches must be the values above (GTE_HUB_SETTINGS).
+A GteForSequenceClassification checkpoint is exported with its classifier (BERT's, as NomicBERT's).
 Refused by name: the hub's rope_scaling type "ntk" (gte-base-en-v1.5's fixed NTK, which transformers'
 GteModel does not compute, so no reference checks it) and every rope type but default / linear, RMSNorm
 layers, logn attention scaling, unpacked q/k/v.
@@ -29,7 +30,8 @@ import torch
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
 from model.hf_family import Family, Mapped, table_maps
-from model.hf_nomic_bert import ROTARY_BERT_LAYER_MODULES, ROTARY_BERT_NAMES, rotary_bert_config
+from model.hf_bert import bert_head_config
+from model.hf_nomic_bert import ROTARY_BERT_HEADS, ROTARY_BERT_LAYER_MODULES, ROTARY_BERT_NAMES, rotary_bert_config
 
 GTE_TYPES = ("gte", "new")
 GTE_PREFIX = "gte."  # GteForMaskedLM, ...ForSequenceClassification keep the encoder under it
@@ -82,4 +84,6 @@ FAMILY = Family(
     name_in_checkpoint=encoder_to_gte_name,
     ignored_names=GTE_IGNORED_NAMES,
     ignored_prefixes=GTE_IGNORED_PREFIXES,
+    heads=ROTARY_BERT_HEADS,
+    head_config=bert_head_config,
 )

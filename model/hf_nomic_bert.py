@@ -11,6 +11,7 @@ Two layouts of one model_type "nomic_bert" load:
   - the hub's remote-code one (nomic-ai's configuration_hf_nomic_bert.py: n_embd, n_head, n_layer, n_inner,
     rotary_emb_base, activation_function ...; a fused Wqkv split into q, k, v here, fc11/fc12/fc2, norm1/norm2,
     emb_ln), whose switches must be the values the model above computes (NOMIC_HUB_SETTINGS).
+A NomicBertForSequenceClassification checkpoint is exported with its classifier (BERT's: ROTARY_BERT_HEADS).
 Refused by name: the MoE variant (nomic-embed-text-v2-moe: num_experts / moe_every_n_layers; transformers'
 NomicBertModel has no MoE layers), dynamic NTK (rotary_scaling_factor), interleaved or partial rotary, other
 rope types.
@@ -28,6 +29,7 @@ import torch
 
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
+from model.hf_bert import BERT_HEADS, bert_head_config
 from model.hf_family import (DECODER_LAYER_MODULES, Family, Mapped, encoder_config, require, scaled_rope,
                              table_maps)
 
@@ -91,6 +93,11 @@ _hub_to_encoder, _ = table_maps(NOMIC_HUB_NAMES, NOMIC_HUB_LAYER_MODULES, NOMIC_
 def nomic_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
     """Either layout's tensor in our names (their names do not overlap but for the embeddings)."""
     return _builtin_to_encoder(name, tensor) or _hub_to_encoder(name, tensor)
+
+
+# The sequence classifier of NomicBertForSequenceClassification / GteForSequenceClassification: BERT's (the
+# first token through pooler.dense and tanh, then classifier). No other head (their MLM heads are not read).
+ROTARY_BERT_HEADS: Mapping[str, Mapping[str, str]] = {"classification": BERT_HEADS["classification"]}
 
 
 def rotary_bert_activation(hf: Mapping[str, Any], default: str) -> str:
@@ -159,4 +166,6 @@ FAMILY = Family(
     to_encoder=nomic_to_encoder,
     name_in_checkpoint=encoder_to_nomic_name,
     ignored_prefixes=NOMIC_IGNORED_PREFIXES,
+    heads=ROTARY_BERT_HEADS,
+    head_config=bert_head_config,
 )

@@ -20,7 +20,7 @@ from export.cases import MaskSpec, make_feeds
 from export.cli import main as export_main
 from model.checkpoint import CheckpointError
 from model.encoder import Encoder
-from model.hf_pretrained import load_pretrained, map_names
+from model.hf_pretrained import family_for, load_pretrained, map_names
 from model.mask_kinds import MaskKind
 from tests.hf_references import WORDS, cosines, export_and_serve, openai_embeddings, redraw, word_tokenizer
 
@@ -150,8 +150,8 @@ def test_a_gte_without_token_types_has_none(tmp_path):
 
 def test_without_its_linear_rotary_scaling_gte_would_not_match():
     reference = reference_model("gte")
-    ours, *_ = map_names(reference.state_dict(), load_family("gte"))
-    config = load_family("gte").config(reference.config.to_dict(), "g", {})
+    ours, *_ = map_names(reference.state_dict(), family_for("gte"))
+    config = family_for("gte").config(reference.config.to_dict(), "g", {})
     scaled, unscaled = Encoder(config).eval(), Encoder(config.replace(rope_scale=1.0)).eval()
     scaled.load_state_dict(ours)
     unscaled.load_state_dict(ours)
@@ -171,12 +171,6 @@ def test_token_types_are_added_as_nomic_adds_them(rotary):
     assert max_error_at_real_positions(ours, expected, feeds["attention_mask"]) <= ATOL
     zeros = dict(feeds, token_type_ids=np.zeros_like(feeds["token_type_ids"]))
     assert max_error_at_real_positions(ours_hidden(loaded.encoder, zeros), expected, feeds["attention_mask"]) > TELLING
-
-
-def load_family(model_type: str):
-    from model.hf_pretrained import family_for
-
-    return family_for(model_type)
 
 
 # --- the hub's remote-code layouts ------------------------------------------------------------------------------
@@ -342,3 +336,27 @@ def test_gte_openai_embeddings_equal_sentence_transformers(gte_embed):
     with EncoderClient(server.target, timeout=60) as client:
         assert client.model_info().default_pooling == "first"  # the CLS token
     assert cosines(openai_embeddings(server, "gte-embed", TEXTS), expected).min() >= MIN_COSINE
+
+
+# --- the sequence classifier ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["nomic_bert", "gte"])
+def test_a_sequence_classifier_is_loaded_with_its_head_and_matches_transformers_logits(tmp_path, model_type):
+    from transformers import GteForSequenceClassification, NomicBertForSequenceClassification
+
+    model_class = {"nomic_bert": NomicBertForSequenceClassification, "gte": GteForSequenceClassification}[model_type]
+    config = reference_model(model_type).config
+    config.num_labels = 3
+    torch.manual_seed(4)
+    classifier = redraw(model_class(config), seed=4)
+    classifier.save_pretrained(str(tmp_path))
+    loaded = load_pretrained(tmp_path)
+    assert (loaded.config.head, loaded.config.num_labels, loaded.config.head_pooling) == ("classification", 3, "cls")
+    feeds = feeds_for(loaded.config, [40, 13, 1], seed=6)
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    with torch.no_grad():
+        expected = classifier(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                              token_type_ids=t.get("token_type_ids")).logits.numpy()
+        logits = loaded.encoder(t["input_ids"], t["attention_mask"], t["mask_kind"], t["mask_causal"],
+                                t["mask_window"], t["mask_step"], t["custom_mask"], t.get("token_type_ids"))[2].numpy()
+    assert float(np.abs(logits - expected).max()) <= ATOL
