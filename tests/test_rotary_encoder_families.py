@@ -159,11 +159,11 @@ def test_without_its_linear_rotary_scaling_gte_would_not_match():
     assert error_against(reference, unscaled, (300,)) > TELLING
 
 
-def test_token_types_are_added_as_nomic_adds_them(rotary):
+def test_token_types_are_added_as_nomic_adds_them(tmp_path):
     """Every row of type 1 against transformers given the same types (and not the all-zero default)."""
-    model_type, reference, loaded, _ = rotary
-    if model_type != "nomic_bert":
-        pytest.skip("GTE has one token type")
+    reference = reference_model("nomic_bert")
+    reference.save_pretrained(str(tmp_path))
+    loaded = load_pretrained(tmp_path)
     feeds = feeds_for(loaded.config, [40, 13])
     feeds["token_type_ids"] = np.ones_like(feeds["token_type_ids"])
     expected = transformers_hidden(reference, feeds)
