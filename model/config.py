@@ -84,11 +84,17 @@ class EncoderConfig:
     # Rotary positions (positional="rotary"): θ of global layers and of local layers.
     rope_theta: float = 10000.0
     rope_theta_local: float = 10000.0
+    # Linear rotary scaling (transformers' rope_type "linear"): every rotary frequency divided by this, i.e.
+    # positions t / rope_scale. 1: none.
+    rope_scale: float = 1.0
     # Bias-free projections (ModernBERT: no bias in any linear nor in any LayerNorm).
     linear_bias: bool = True
     norm_bias: bool = True
     # Bias on the q/k/v projections: None = as linear_bias (Qwen2: q/k/v biased, nothing else).
     qkv_bias: bool | None = None
+    # Bias on the FFN's input projections (up, and gate when gated): None = as linear_bias (GTE: none on its
+    # gate/up projections, a bias on down_proj and on every attention linear).
+    ffn_in_bias: bool | None = None
     norm: str = "layer"  # NORMS: every norm of the stack (embeddings, layers, final, q/k, the head's)
     # Attention widths: head_dim (0: d_model // n_heads; Qwen3-0.6B: 128 with d_model 1024 and 16 heads)
     # and grouped-query attention's key/value heads (0: n_heads; each serves n_heads // n_kv_heads queries).
@@ -189,6 +195,8 @@ class EncoderConfig:
             raise ConfigError(f"positional='rotary' needs an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rope_theta_local <= 0:
             raise ConfigError("rope_theta and rope_theta_local must be > 0")
+        if self.rope_scale <= 0:
+            raise ConfigError(f"rope_scale must be > 0, got {self.rope_scale}")
         if not self.first_attention_norm and self.norm_placement != "pre":
             raise ConfigError("first_attention_norm=False needs norm_placement='pre'")
         layers = tuple(self.local_layers)
@@ -224,6 +232,10 @@ class EncoderConfig:
     @property
     def has_qkv_bias(self) -> bool:
         return self.linear_bias if self.qkv_bias is None else bool(self.qkv_bias)
+
+    @property
+    def has_ffn_in_bias(self) -> bool:
+        return self.linear_bias if self.ffn_in_bias is None else bool(self.ffn_in_bias)
 
     @property
     def position_limit(self) -> int | None:
@@ -269,7 +281,7 @@ def from_dict(data: Mapping[str, Any]) -> EncoderConfig:
     coerced: dict[str, Any] = {}
     for key, value in data.items():
         default = known[key].default
-        if key == "qkv_bias":  # a bool, or None: as linear_bias
+        if key in ("qkv_bias", "ffn_in_bias"):  # a bool, or None: as linear_bias
             coerced[key] = None if value is None or value == "" else _as_bool(value)
         elif key == "local_layers":
             coerced[key] = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip())

@@ -96,8 +96,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.gated = config.ffn == "gated"
-        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.linear_bias)
-        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.linear_bias) if self.gated else None
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.has_ffn_in_bias)
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.has_ffn_in_bias) if self.gated else None
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.linear_bias)
         self.activation = ACTIVATION_FUNCTIONS[config.activation]
 
@@ -149,10 +149,10 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, path, i) for i in range(config.n_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
         if config.positional == "rotary":  # fixed tables: non-persistent, never in a state dict
-            self.register_buffer("rope_global", rotary_inverse_frequencies(config.head_dim, config.rope_theta),
-                                 persistent=False)
-            self.register_buffer("rope_local", rotary_inverse_frequencies(config.head_dim, config.rope_theta_local),
-                                 persistent=False)
+            for buffer, theta in (("rope_global", config.rope_theta), ("rope_local", config.rope_theta_local)):
+                # linear scaling divides the float32 frequencies, as transformers does (exact for rope_scale 1)
+                self.register_buffer(buffer, rotary_inverse_frequencies(config.head_dim, theta) / config.rope_scale,
+                                     persistent=False)
         # MPNet's relative position buckets: one bias table for every layer (relative_attention_bias.weight)
         self.relative_attention_bias = RelativePositionBias(config) if config.relative_attention_buckets else None
         self.head = build_head(config)  # None without a task head: the state dict is the headless one

@@ -5,7 +5,8 @@ registry, the one tuple of them, is hf_pretrained.FAMILIES. Adding a family is o
 there.
 
 Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
-`require`, `encoder_config`).
+`require`, `encoder_config`, `table_maps` with its fused row blocks, the rotary readers `plain_rope_theta` and
+`scaled_rope`).
 """
 
 from __future__ import annotations
@@ -88,24 +89,63 @@ DECODER_LAYER_MODULES: Mapping[str, str] = {
 
 
 def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer_pattern: re.Pattern = OUR_LAYER_NAME,
-               layer_name: str = "layers.{index}.{module}.{suffix}"):
-    """(to_encoder, name_in_checkpoint) of a family whose tensors map one to one through two tables: whole
-    names (theirs -> ours) and per-layer modules, its layers named by `layer_pattern` (index, module,
-    suffix) and, the other way, by `layer_name`."""
+               layer_name: str = "layers.{index}.{module}.{suffix}",
+               fused: Mapping[str, tuple[str, ...]] | None = None):
+    """(to_encoder, name_in_checkpoint) of a family whose tensors map through two tables: whole names (theirs ->
+    ours) and per-layer modules, its layers named by `layer_pattern` (index, module, suffix) and, the other way,
+    by `layer_name`. `fused`: per-layer modules whose rows are several of ours stacked in order (a fused Wqkv:
+    q, k, v), split into equal row blocks."""
+    fused = fused or {}
 
     def to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
         if name in names:
             return [(names[name], tensor, name)]
         match = layer_pattern.match(name)
-        if match and match.group(2) in layer_modules:
-            index, module, suffix = match.groups()
+        if not match:
+            return []
+        index, module, suffix = match.groups()
+        if module in layer_modules:
             return [(f"layers.{index}.{layer_modules[module]}.{suffix}", tensor, name)]
+        parts = fused.get(module, ())
+        if parts and tensor.shape[0] % len(parts) == 0:
+            rows = tensor.shape[0] // len(parts)
+            return [(f"layers.{index}.{ours}.{suffix}", block, f"{name}[{i * rows}:{(i + 1) * rows}]")
+                    for i, (ours, block) in enumerate(zip(parts, tensor.split(rows, dim=0)))]
         return []
 
     def name_in_checkpoint(name: str) -> str | None:
+        match = OUR_LAYER_NAME.match(name)
+        for module, parts in fused.items():
+            if match and match.group(2) in parts:
+                index, ours, suffix = match.groups()
+                shown = layer_name.format(index=index, module=module, suffix=suffix)
+                return f"{shown} (row block {parts.index(ours) + 1} of {len(parts)})"
         return checkpoint_name(name, names, layer_modules, layer_name)
 
     return to_encoder, name_in_checkpoint
+
+
+# transformers' rope_type values the encoder computes: plain rotary positions (θ), and linear scaling (θ, every
+# frequency divided by `factor`: EncoderConfig.rope_scale).
+ROPE_TYPES = ("default", "linear")
+
+
+def scaled_rope(hf: Mapping[str, Any], old_key: str, default: float) -> tuple[float, float]:
+    """(θ, rope_scale) of a model with one rotary setting: transformers 5's rope_parameters, or the older
+    `old_key` θ with transformers 4's rope_scaling; rope_type 'default' (scale 1) or 'linear' (its factor). Any
+    other rope_type (dynamic, yarn, llama3, longrope, ...) is refused naming it, as is a partial_rotary_factor
+    (the encoder rotates the whole head)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise CheckpointError(f"partial_rotary_factor {partial} is not supported (the whole head is rotated)")
+    if rope_type == "linear" and not isinstance(params.get("factor"), (int, float)):
+        raise CheckpointError("rope_type 'linear' needs a numeric factor")
+    scale = float(params["factor"]) if rope_type == "linear" else 1.0
+    return float(params.get("rope_theta", hf.get(old_key, default))), scale
 
 
 def plain_rope_theta(hf: Mapping[str, Any], kind: str | None, old_key: str, default: float) -> float:

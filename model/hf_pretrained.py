@@ -16,8 +16,13 @@ checkpoint) is loaded with the encoder, by its family's head tables (model/hf_he
   bert                 model/hf_bert.py
   roberta, xlm-roberta model/hf_roberta.py
   modernbert           model/hf_modernbert.py
+  qwen2, qwen3         model/hf_qwen.py
+  gemma3_text          model/hf_gemma3.py
+  mpnet                model/hf_mpnet.py
   distilbert           model/hf_distilbert.py
   electra              model/hf_electra.py
+  nomic_bert           model/hf_nomic_bert.py
+  gte, new             model/hf_gte.py
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from model import hf_bert, hf_distilbert, hf_electra, hf_gemma3, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
+from model import (hf_bert, hf_distilbert, hf_electra, hf_gemma3, hf_gte, hf_modernbert, hf_mpnet, hf_nomic_bert,
+                   hf_qwen, hf_roberta)
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -43,8 +49,18 @@ from model.projection import Dense
 from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
-FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY, hf_gemma3.FAMILY,
-                                hf_mpnet.FAMILY, hf_distilbert.FAMILY, hf_electra.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    hf_bert.FAMILY,
+    hf_roberta.FAMILY,
+    hf_modernbert.FAMILY,
+    hf_qwen.FAMILY,
+    hf_gemma3.FAMILY,
+    hf_mpnet.FAMILY,
+    hf_distilbert.FAMILY,
+    hf_electra.FAMILY,
+    hf_nomic_bert.FAMILY,
+    hf_gte.FAMILY,
+)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 # Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token
