@@ -16,6 +16,7 @@ checkpoint) is loaded with the encoder, by its family's head tables (model/hf_he
   bert                 model/hf_bert.py
   roberta, xlm-roberta model/hf_roberta.py
   modernbert           model/hf_modernbert.py
+  llama, llama_bidirec, mistral   model/hf_llama.py
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from model import hf_bert, hf_gemma3, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
+from model import hf_bert, hf_gemma3, hf_llama, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -42,7 +43,7 @@ from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
 FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY, hf_gemma3.FAMILY,
-                                hf_mpnet.FAMILY)
+                                hf_mpnet.FAMILY, hf_llama.FAMILY)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 # Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token
@@ -311,7 +312,8 @@ def _check_dense_place(modules_file: Path, kinds: list[str | None], head: str) -
 
 
 def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
-                    head: str | None = None) -> PretrainedModel:
+                    head: str | None = None,
+                    before_weights: Callable[[EncoderConfig], None] | None = None) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
     pooling, max length, task, the Dense projection after pooling).
 
@@ -320,7 +322,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     checkpoint), else the one the directory declares (a SparseEncoder's SpladePooling, a
     *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
     not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
-    tensors unless `drop_head`."""
+    tensors unless `drop_head`. `before_weights(config)` runs just before the weights are read (the exporter's
+    memory check: a checkpoint too big for the host is refused without reading it)."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -334,6 +337,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
+    if before_weights is not None:
+        before_weights(with_head(config, family, hf, head))
     tensors, weights_file = read_hf_weights(directory)
     source = {
         "format": family.source_format(model_type),
