@@ -10,6 +10,7 @@ end to end, equal to `SentenceTransformer.encode`."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import onnxruntime as ort
 import pytest
@@ -23,7 +24,7 @@ from model.checkpoint import CheckpointError
 from model.encoder import Encoder
 from model.hf_llama import FAMILY as LLAMA_FAMILY
 from model.hf_llama import llama_config
-from model.hf_pretrained import load_pretrained, map_names
+from model.hf_pretrained import PretrainedModel, load_pretrained, map_names
 from model.mask_kinds import MaskKind
 from tests.hf_references import cosines, export_and_serve, openai_embeddings, redraw
 from tests.test_decoder_families import (ATOL, MIN_COSINE, PROMPTS, TELLING, TEXTS, eos_tokenizer, graph_hidden,
@@ -33,8 +34,8 @@ from tests.test_decoder_families import (ATOL, MIN_COSINE, PROMPTS, TELLING, TEX
 # hidden / heads (16), as Mistral-Nemo's 128 is not 5120 / 32.
 SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rope_theta=5e5, rms_norm_eps=1e-5)
-# What each parity checkpoint adds: Llama with a bias on every projection, Mistral with a window of 4 (e5-mistral's
-# 4096 made small: rows of 13 to 512 tokens run far past it)
+# What each checkpoint adds: Llama a bias on every projection, Mistral a window of 4 (e5-mistral's 4096 made small:
+# rows of 13 to 300 tokens, and the served texts with their prompt, run far past it)
 CHANGES = {"llama": dict(attention_bias=True, mlp_bias=True), "mistral": dict(sliding_window=4)}
 GRAPHS = ("model.onnx", "model.optimized.onnx", "model.sparse.onnx")
 
@@ -50,18 +51,39 @@ def reference_model(model_type: str, seed: int = 0, **changes):
     return redraw(model_class(config), seed=seed)
 
 
+@dataclass(frozen=True)
+class Exported:
+    model_type: str
+    reference: torch.nn.Module  # transformers' LlamaModel / MistralModel
+    loaded: PretrainedModel  # the checkpoint through our loader
+    sessions: dict  # graph file -> CPU session of the export
+    model: object  # the SentenceTransformer around the reference: lasttoken Pooling, Normalize, prompts
+    name: str  # the served model's name
+    server: object
+
+
 @pytest.fixture(scope="module", params=["llama", "mistral"])
-def decoder(request, tmp_path_factory):
-    """(model type, transformers reference, our loaded model, {graph file: CPU session}) of one exported checkpoint."""
-    reference = reference_model(request.param, **CHANGES[request.param])
-    checkpoint = tmp_path_factory.mktemp(request.param)
-    reference.save_pretrained(str(checkpoint))
-    out = tmp_path_factory.mktemp(f"{request.param}-export")
-    assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "d",
-                        "--graphs", "fp32,optimized,long", "--quiet"]) == 0
-    sessions = {name: ort.InferenceSession(str(out / "d" / name), providers=["CPUExecutionProvider"])
-                for name in GRAPHS}
-    return request.param, reference, load_pretrained(checkpoint), sessions
+def decoder(request, tmp_path_factory, serve_start) -> Exported:
+    """One checkpoint of CHANGES[model type] as a decoder embedding model as e5-mistral is built (last-token pooling
+    after [EOS], Normalize, a query prompt, a left-padding tokenizer), exported with every graph and served."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models as st_models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer, vocab_size = eos_tokenizer()
+    base = tmp_path_factory.mktemp(f"{request.param}-base")
+    reference = reference_model(request.param, vocab_size=vocab_size, pad_token_id=0, **CHANGES[request.param])
+    reference.save_pretrained(str(base))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]",
+                            padding_side="left").save_pretrained(str(base))
+    transformer = st_models.Transformer(str(base), max_seq_length=256, model_kwargs={"attn_implementation": "eager"})
+    model = SentenceTransformer(modules=[transformer, st_models.Pooling(SHAPE["hidden_size"], "lasttoken"),
+                                         st_models.Normalize()], prompts=PROMPTS, device="cpu")
+    name = f"{request.param}-embedding"
+    export, server = export_and_serve(model, tmp_path_factory, serve_start, name, graphs="fp32,optimized,long")
+    sessions = {graph: ort.InferenceSession(str(export / graph), providers=["CPUExecutionProvider"])
+                for graph in GRAPHS}
+    return Exported(request.param, reference, load_pretrained(base), sessions, model, name, server)
 
 
 def feeds_of(config, lengths: list[int], kind: MaskKind = MaskKind.CAUSAL, *, seed: int = 0, left_pad: bool = False):
@@ -84,18 +106,16 @@ def with_config_json(directory, **changes) -> None:
 # --- config.json -> the encoder's parts -----------------------------------------------------------------------
 
 def test_a_llama_config_reads_gqa_its_head_dim_rms_norms_swiglu_its_biases_and_its_causal_mask(decoder):
-    model_type, _, loaded, _ = decoder
-    c = loaded.config
+    c = decoder.loaded.config
     assert (c.n_heads, c.kv_heads, c.head_dim, c.norm, c.ffn, c.activation, c.positional, c.rope_theta) == \
         (4, 2, 32, "rms", "gated", "silu", "rotary", 5e5)
     assert (c.natural_mask, c.qk_norm, c.linear_bias, c.has_qkv_bias) == \
-        ("causal", False, *((True, True) if model_type == "llama" else (False, False)))
+        ("causal", False, *((True, True) if decoder.model_type == "llama" else (False, False)))
 
 
 def test_mistrals_sliding_window_is_every_layer_local_one_short_of_it(decoder):
-    model_type, _, loaded, _ = decoder
-    expected = ((0, 1), 3) if model_type == "mistral" else ((), 0)  # i − j < 4 on top of the causal mask
-    assert (loaded.config.local_layers, loaded.config.local_window) == expected
+    expected = ((0, 1), 3) if decoder.model_type == "mistral" else ((), 0)  # i − j < 4 on top of the causal mask
+    assert (decoder.loaded.config.local_layers, decoder.loaded.config.local_window) == expected
 
 
 def test_a_mistral_without_a_window_has_no_local_layer(tmp_path):
@@ -128,11 +148,11 @@ def test_what_the_encoder_does_not_compute_is_refused_naming_it(tmp_path, model_
 def test_hidden_states_match_transformers_on_every_graph(decoder, lengths, left_pad):
     """Rows of 1 to 300 tokens (Mistral's window is 4), right- and left-padded (decoder embedders' tokenizers pad
     left), on the dense graphs and on the sparse one (Mistral's local layers banded, Llama's in tiles)."""
-    _, reference, loaded, sessions = decoder
-    feeds = feeds_of(loaded.config, lengths, seed=len(lengths), left_pad=left_pad)
-    expected = transformers_hidden(reference, feeds)
-    assert max_error_at_real_positions(ours_hidden(loaded.encoder, feeds), expected, feeds["attention_mask"]) <= ATOL
-    for name, session in sessions.items():
+    feeds = feeds_of(decoder.loaded.config, lengths, seed=len(lengths), left_pad=left_pad)
+    expected = transformers_hidden(decoder.reference, feeds)
+    ours = ours_hidden(decoder.loaded.encoder, feeds)
+    assert max_error_at_real_positions(ours, expected, feeds["attention_mask"]) <= ATOL
+    for name, session in decoder.sessions.items():
         error = max_error_at_real_positions(graph_hidden(session, feeds), expected, feeds["attention_mask"])
         assert error <= ATOL, f"{name}: {error}"
 
@@ -140,8 +160,8 @@ def test_hidden_states_match_transformers_on_every_graph(decoder, lengths, left_
 # --- controls: the parts the parity depends on ---------------------------------------------------------------
 
 def test_a_bidirectional_mask_is_not_what_llama_and_mistral_compute(decoder):
-    _, reference, loaded, _ = decoder
-    assert error_against(reference, loaded.encoder, feeds_of(loaded.config, [40, 13]), MaskKind.BIDIRECTIONAL) > TELLING
+    feeds = feeds_of(decoder.loaded.config, [40, 13])
+    assert error_against(decoder.reference, decoder.loaded.encoder, feeds, MaskKind.BIDIRECTIONAL) > TELLING
 
 
 @pytest.mark.parametrize("window", [None, 4, 5], ids=["no window", "one wider", "two wider"])
@@ -229,50 +249,22 @@ def test_on_a_host_that_holds_it_the_same_directory_gets_as_far_as_its_missing_w
     assert "has none of model.safetensors" in capsys.readouterr().err
 
 
-# --- Mistral- and Llama-shaped embedding models, served -----------------------------------------------------------
+# --- the Mistral- and Llama-shaped embedding models, served ----------------------------------------------------
 
-# e5-mistral's and a Llama embedder's shapes: last-token pooling after [EOS], Normalize, a query prompt; Mistral's
-# window of 8 is shorter than the texts with their prompt
-SERVED = {"mistral": dict(sliding_window=8), "llama": {}}
-
-
-@pytest.fixture(scope="module", params=sorted(SERVED))
-def embedding_model(request, tmp_path_factory, serve_start):
-    """(name, the SentenceTransformer: the decoder + lasttoken Pooling + Normalize, prompts; its server)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer, vocab_size = eos_tokenizer()
-    base = tmp_path_factory.mktemp(f"{request.param}-base")
-    reference_model(request.param, seed=3, vocab_size=vocab_size, pad_token_id=0,
-                    **SERVED[request.param]).save_pretrained(str(base))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]",
-                            padding_side="left").save_pretrained(str(base))
-    transformer = st_models.Transformer(str(base), max_seq_length=256, model_kwargs={"attn_implementation": "eager"})
-    model = SentenceTransformer(modules=[transformer, st_models.Pooling(SHAPE["hidden_size"], "lasttoken"),
-                                         st_models.Normalize()], prompts=PROMPTS, device="cpu")
-    name = f"{request.param}-embedding"
-    return name, model, export_and_serve(model, tmp_path_factory, serve_start, name)[1]
-
-
-def test_the_export_declares_last_token_pooling_normalisation_the_prompts_and_the_causal_mask(embedding_model):
-    _, model, server = embedding_model
-    with EncoderClient(server.target, timeout=60) as client:
+def test_the_export_declares_last_token_pooling_normalisation_the_prompts_and_the_causal_mask(decoder):
+    with EncoderClient(decoder.server.target, timeout=60) as client:
         info = client.model_info()
     assert (info.default_pooling, info.default_normalize, info.natural_mask) == ("last", True, "causal")
-    assert dict(info.prompts) == model.prompts
+    assert dict(info.prompts) == decoder.model.prompts
 
 
-def test_served_embeddings_with_a_prompt_equal_sentence_transformers(embedding_model):
-    _, model, server = embedding_model
-    expected = model.encode(TEXTS, prompt_name="query", batch_size=len(TEXTS), convert_to_numpy=True)
-    with EncoderClient(server.target, timeout=120) as client:
+def test_served_embeddings_with_a_prompt_equal_sentence_transformers(decoder):
+    expected = decoder.model.encode(TEXTS, prompt_name="query", batch_size=len(TEXTS), convert_to_numpy=True)
+    with EncoderClient(decoder.server.target, timeout=120) as client:
         out = client.embed(TEXTS, prompt_name="query")
     assert cosines(out.embeddings, expected).min() >= MIN_COSINE
 
 
-def test_openai_embeddings_equal_sentence_transformers(embedding_model):
-    name, model, server = embedding_model
-    expected = model.encode(TEXTS, batch_size=len(TEXTS), convert_to_numpy=True)
-    assert cosines(openai_embeddings(server, name, TEXTS), expected).min() >= MIN_COSINE
+def test_openai_embeddings_equal_sentence_transformers(decoder):
+    expected = decoder.model.encode(TEXTS, batch_size=len(TEXTS), convert_to_numpy=True)
+    assert cosines(openai_embeddings(decoder.server, decoder.name, TEXTS), expected).min() >= MIN_COSINE
