@@ -22,6 +22,7 @@ from export.cli import EXIT_BAD_INPUT
 from export.cli import main as export_main
 from model.checkpoint import CheckpointError
 from model.encoder import Encoder
+from model.export_format import read_metadata
 from model.hf_llama import FAMILY as LLAMA_FAMILY
 from model.hf_llama import llama_config
 from model.hf_pretrained import PretrainedModel, load_pretrained, map_names
@@ -198,6 +199,21 @@ def test_a_bidirectional_llama_equals_the_bidirectional_reference_not_the_causal
     feeds = feeds_of(loaded.config, [40, 13, 1], MaskKind.BIDIRECTIONAL)
     assert error_against(bidirectional, loaded.encoder, feeds) <= ATOL
     assert error_against(causal, loaded.encoder, feeds) > TELLING
+
+
+def test_a_bidirectional_llama_export_declares_its_mask_and_its_graph_equals_the_bidirectional_reference(tmp_path):
+    """What the server reads (metadata.json's config: natural_mask, the mask a request naming none gets) and
+    computes (the fp32 graph) for a llama_bidirec checkpoint."""
+    reference_model("llama").save_pretrained(str(tmp_path / "checkpoint"))
+    with_config_json(tmp_path / "checkpoint", model_type="llama_bidirec", architectures=["LlamaBidirectionalModel"])
+    assert export_main(["--from-pretrained", str(tmp_path / "checkpoint"), "--out-dir", str(tmp_path / "out"),
+                        "--name", "nv", "--graphs", "fp32", "--quiet"]) == 0
+    metadata = read_metadata(tmp_path / "out" / "nv")
+    assert (metadata.config.natural_mask, metadata.config.source["model_type"]) == ("bidirectional", "llama_bidirec")
+    session = ort.InferenceSession(str(tmp_path / "out" / "nv" / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = feeds_of(metadata.config, [40, 13, 1], MaskKind.BIDIRECTIONAL)
+    expected = transformers_hidden(reference_model("llama", is_causal=False), feeds)
+    assert max_error_at_real_positions(graph_hidden(session, feeds), expected, feeds["attention_mask"]) <= ATOL
 
 
 def test_a_plain_llama_is_causal(tmp_path):
