@@ -90,6 +90,10 @@ def _checkpoint_directory(source: str) -> Path:
         raise ConfigError(str(error)) from None
 
 
+def _graphs(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(g.strip() for g in args.graphs.split(",") if g.strip())
+
+
 def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
     """One dict of export_model keyword arguments per export to write; files they copy in (a projection's
     arrays) are written into `scratch`, which must outlive the exports."""
@@ -98,10 +102,12 @@ def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
     if args.encoder_only and args.head:
         raise ConfigError("--encoder-only drops the task head; --head loads one: pass one of them")
     if args.minilm or args.from_pretrained:
+        from export.exporter import check_memory
         from model.hf_pretrained import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else _checkpoint_directory(args.from_pretrained)
-        pretrained = load_pretrained(directory, drop_head=args.encoder_only, head=args.head)
+        pretrained = load_pretrained(directory, name=args.name, drop_head=args.encoder_only, head=args.head,
+                                     before_weights=lambda config: check_memory(config, None, _graphs(args)))
         config = pretrained.config
         if args.name:
             config = config.replace(name=args.name)
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = _plan(args, Path(scratch))
             for plan in plans if args.triton_repo else ():  # refused before any export is written
                 check_projection(plan.get("pooling") or {}, plan["config"].name)
-            graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip())
+            graphs = _graphs(args)
             results = []
             for plan in plans:
                 results.append(export_model(out_dir=args.out_dir, opset=args.opset, graphs=graphs,

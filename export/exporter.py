@@ -104,9 +104,14 @@ PEAK_PER_WEIGHT_BYTE = 5.0
 PEAK_PER_WEIGHT_BYTE_CONVERTED = 7.0  # with an int8 or fp16 graph
 
 
-def check_memory(config: EncoderConfig, model: Encoder, graphs: tuple[str, ...] = ("fp32",)) -> int:
+def check_memory(config: EncoderConfig, model: Encoder | None, graphs: tuple[str, ...] = ("fp32",)) -> int:
     """The export's expected peak memory in bytes; ExportError naming the need when the host cannot hold
-    it (checked before any graph is written, so a big model fails in seconds, not in swap)."""
+    it (checked before any graph is written, so a big model fails in seconds, not in swap). `model` None:
+    its weights counted from `config` alone (an Encoder on the meta device, no memory), so that a checkpoint
+    too big for the host is refused before its weights are read (export/cli.py)."""
+    if model is None:
+        with torch.device("meta"):
+            model = Encoder(config)
     weights = sum(p.numel() * 4 for p in model.parameters())
     factor = PEAK_PER_WEIGHT_BYTE_CONVERTED if {"int8", "fp16"} & set(graphs) else PEAK_PER_WEIGHT_BYTE
     need = int(weights * factor)

@@ -1,12 +1,13 @@
 """One Hugging Face checkpoint family as data: `Family`, what the shared strict loader
 (model/hf_pretrained.py) needs to know of it, its task heads included. Each family is one module exporting
-`FAMILY` (model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py, hf_qwen.py, hf_gemma3.py); the
-registry, the one tuple of them, is hf_pretrained.FAMILIES. Adding a family is one new module and one entry
-there.
+`FAMILY` (model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py, hf_qwen.py, hf_gemma3.py,
+hf_llama.py); the registry, the one tuple of them, is hf_pretrained.FAMILIES. Adding a family is one new module
+and one entry there.
 
 Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
 `require`, `encoder_config`, `table_maps` with its fused row blocks, the rotary readers `plain_rope_theta` and
-`scaled_rope`).
+`scaled_rope`), and the SwiGLU decoder that Llama, Mistral and Qwen2/3 share (`DECODER_NAMES`,
+`PRE_NORM_DECODER_LAYER_MODULES`, `swiglu_decoder_config`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ DECODER_LAYER_MODULES: Mapping[str, str] = {
     "mlp.up_proj": "ffn.gate",  # the linear one it multiplies
     "mlp.down_proj": "ffn.down",
 }
+
+
+# transformers' decoder models' whole names (Llama, Mistral, Qwen2/3) -> ours
+DECODER_NAMES: Mapping[str, str] = {
+    "embed_tokens.weight": "embeddings.tokens.weight",
+    "norm.weight": "final_norm.weight",
+}
+# ... and their pre-norm layers (Llama, Mistral, Qwen2/3): one norm before attention, one before the MLP
+PRE_NORM_DECODER_LAYER_MODULES: Mapping[str, str] = {
+    **DECODER_LAYER_MODULES,
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+DECODER_IGNORED_NAMES = ("lm_head.weight",)  # the language-model head of *ForCausalLM checkpoints
+DECODER_IGNORED_PREFIXES = ("rotary_emb.",)  # older checkpoints' inv_freq buffer
 
 
 def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer_pattern: re.Pattern = OUR_LAYER_NAME,
@@ -205,3 +221,36 @@ def encoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], 
         return EncoderConfig(**{**defaults, **fields})
     except ConfigError as exc:
         raise CheckpointError(f"config.json does not describe a valid encoder: {exc}") from exc
+
+
+def swiglu_decoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], **fields: Any) -> EncoderConfig:
+    """EncoderConfig of a Llama-style decoder embedder (Llama, Mistral, Qwen2/3): pre-norm RMSNorm, plain
+    rotary positions (plain_rope_theta), grouped-query attention (num_key_value_heads) with config.json's
+    head_dim, a SwiGLU MLP (hidden_act silu), no bias, causal as the natural mask; the family's `fields`
+    override these (Qwen2's q/k/v bias, Qwen3's q/k norms, Mistral's window). hidden_act other than silu is
+    refused naming it."""
+    require(hf, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported; expected one of silu")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    theta = plain_rope_theta(hf, None, "rope_theta", 10000.0)
+    decoder = dict(
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        attention_head_dim=head_dim if head_dim * heads != hidden else 0,
+        max_positions=int(hf.get("max_position_embeddings", 32768)),
+        type_vocab_size=0,
+        embedding_layer_norm=False,
+        norm="rms",
+        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_placement="pre",
+        positional="rotary",
+        rope_theta=theta,
+        rope_theta_local=theta,
+        activation="silu",
+        ffn="gated",
+        linear_bias=False,
+        natural_mask="causal",
+    )
+    return encoder_config(hf, name, source, **{**decoder, **fields})

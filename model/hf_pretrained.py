@@ -23,6 +23,7 @@ checkpoint) is loaded with the encoder, by its family's head tables (model/hf_he
   electra              model/hf_electra.py
   nomic_bert           model/hf_nomic_bert.py
   gte, new             model/hf_gte.py
+  llama, llama_bidirec, mistral  model/hf_llama.py
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from model import (hf_bert, hf_distilbert, hf_electra, hf_gemma3, hf_gte, hf_modernbert, hf_mpnet, hf_nomic_bert,
-                   hf_qwen, hf_roberta)
+from model import (hf_bert, hf_distilbert, hf_electra, hf_gemma3, hf_gte, hf_llama, hf_modernbert, hf_mpnet,
+                   hf_nomic_bert, hf_qwen, hf_roberta)
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -60,6 +61,7 @@ FAMILIES: tuple[Family, ...] = (
     hf_electra.FAMILY,
     hf_nomic_bert.FAMILY,
     hf_gte.FAMILY,
+    hf_llama.FAMILY,
 )
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
@@ -329,7 +331,8 @@ def _check_dense_place(modules_file: Path, kinds: list[str | None], head: str) -
 
 
 def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
-                    head: str | None = None) -> PretrainedModel:
+                    head: str | None = None,
+                    before_weights: Callable[[EncoderConfig], None] | None = None) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
     pooling, max length, task, the Dense projection after pooling).
 
@@ -338,7 +341,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     checkpoint), else the one the directory declares (a SparseEncoder's SpladePooling, a
     *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
     not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
-    tensors unless `drop_head`."""
+    tensors unless `drop_head`. `before_weights(config)` runs just before the weights are read (the exporter's
+    memory check: a checkpoint too big for the host is refused without reading it)."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -352,6 +356,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
+    if before_weights is not None:
+        before_weights(with_head(config, family, hf, head))
     tensors, weights_file = read_hf_weights(directory)
     source = {
         "format": family.source_format(model_type),
