@@ -60,8 +60,9 @@ BYTES_PER_TOKEN_DIM = 48.0
 
 def long_path(config: EncoderConfig) -> str | None:
     """The long-input path an export of `config` has beside dense, or None (additive attention; relative
-    position buckets, whose bias the long-input ops do not add: such a model is served dense)."""
-    if config.relative_attention_buckets:
+    position buckets and disentangled attention, whose terms the long-input ops do not add: such a model is
+    served dense)."""
+    if config.relative_attention_buckets or config.disentangled_terms:
         return None
     if config.attention == "softmax":
         return SPARSE

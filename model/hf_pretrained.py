@@ -16,6 +16,7 @@ checkpoint) is loaded with the encoder, by its family's head tables (model/hf_he
   bert                 model/hf_bert.py
   roberta, xlm-roberta model/hf_roberta.py
   modernbert           model/hf_modernbert.py
+  deberta-v2           model/hf_deberta.py
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from model import hf_bert, hf_gemma3, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
+from model import hf_bert, hf_deberta, hf_gemma3, hf_modernbert, hf_mpnet, hf_qwen, hf_roberta
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -42,7 +43,7 @@ from model.tasks import EMBED
 
 # The registry: every family the loader takes, one module each. A new family adds its module and one entry here.
 FAMILIES: tuple[Family, ...] = (hf_bert.FAMILY, hf_roberta.FAMILY, hf_modernbert.FAMILY, hf_qwen.FAMILY, hf_gemma3.FAMILY,
-                                hf_mpnet.FAMILY)
+                                hf_mpnet.FAMILY, hf_deberta.FAMILY)
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
 # Task heads: sequence classification is exported with its head (model/hf_heads.py); any other (token
