@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -17,11 +18,12 @@ import torch
 
 from export.cli import main as export_main
 from model.attention_paths import SPARSE, long_path
-from model.checkpoint import fit_encoder
+from model.checkpoint import CheckpointError, fit_encoder
+from model.config import ConfigError, EncoderConfig, from_dict, to_dict
 from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.masks import default_mask_inputs
-from tests.hf_references import redraw
+from tests.hf_references import WORDS, redraw, word_tokenizer
 
 ATOL = 1e-4  # hidden states at real positions, max abs
 TELLING = 1e-2  # a missing part moves the hidden states by more than this at this scale
@@ -212,3 +214,133 @@ def test_without_each_part_of_its_disentangled_attention_deberta_would_not_match
     expected = transformers_hidden(reference, ids, mask)
     assert max_error(ours_hidden(loaded.encoder, ids, mask), expected, mask) <= ATOL
     assert max_error(ours_hidden(without(loaded, **removed), ids, mask), expected, mask) > TELLING
+
+
+# --- the classification head ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pooler_hidden_act", ["gelu", "tanh"])
+def test_a_sequence_classification_checkpoint_gives_transformers_logits(tmp_path, pooler_hidden_act):
+    """ContextPooler (the first token, pooler.dense, pooler_hidden_act) then the classifier: the head's dense ->
+    activation -> out (model/heads.py)."""
+    reference = reference_model(seed=5, model_class="DebertaV2ForSequenceClassification", num_labels=3,
+                                pooler_hidden_act=pooler_hidden_act)
+    reference.save_pretrained(str(tmp_path))
+    loaded = load_pretrained(tmp_path)
+    assert (loaded.config.head, loaded.config.head_pooling, loaded.config.head_activation) == \
+        ("classification", "cls", pooler_hidden_act)
+    ids, mask = batch([300, 13, 1])
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits.numpy()
+        logits = loaded.encoder(ids, mask, **default_mask_inputs(mask))[2].numpy()
+    assert np.abs(logits - expected).max() <= ATOL
+    assert np.abs(expected).max() > TELLING  # logits that tell
+
+
+def test_a_masked_lm_checkpoint_loads_its_encoder_under_deberta_prefix(tmp_path):
+    reference = reference_model(seed=4, model_class="DebertaV2ForMaskedLM")
+    reference.save_pretrained(str(tmp_path))
+    loaded = load_pretrained(tmp_path)
+    assert loaded.config.head == "none"
+    assert any(name.startswith(("cls.", "lm_predictions.")) for name in loaded.config.source["ignored_tensors"])
+    ids, mask = batch([40, 13])
+    expected = transformers_hidden(reference.deberta, ids, mask)
+    assert max_error(ours_hidden(loaded.encoder, ids, mask), expected, mask) <= ATOL
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value,named", [
+    ("embedding_size", 16, "embedding_size 16"),
+    ("conv_kernel_size", 3, "conv_kernel_size 3"),
+    ("attention_head_size", 4, "attention_head_size 4"),
+    ("pos_att_type", "p2c|p2p", "pos_att_type 'p2p'"),
+    ("pos_att_type", None, "relative_attention without pos_att_type"),
+    ("relative_attention", False, "norm_rel_ebd 'layer_norm' without relative_attention"),
+    ("hidden_act", "gelu_new", "hidden_act 'gelu_new'")])
+def test_what_the_encoder_does_not_compute_is_refused_naming_it(tmp_path, field, value, named):
+    reference_model(seed=1).save_pretrained(str(tmp_path))
+    settings = json.loads((tmp_path / "config.json").read_text())
+    settings[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match=named):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("pooler_hidden_size", 16, "pooler_hidden_size 16"),
+    ("pooler_hidden_act", "gelu_new", "pooler_hidden_act 'gelu_new'")])
+def test_a_classifier_head_the_encoder_does_not_compute_is_refused_naming_it(tmp_path, field, value, named):
+    reference_model(seed=1, model_class="DebertaV2ForSequenceClassification", num_labels=1).save_pretrained(
+        str(tmp_path))
+    settings = json.loads((tmp_path / "config.json").read_text())
+    settings[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match=named):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(disentangled_terms=("c2p", "p2p")), "disentangled_terms"),
+    (dict(disentangled_terms=("c2p", "c2p")), "disentangled_terms"),
+    (dict(disentangled_terms=("c2p",), disentangled_buckets=2), "disentangled_buckets"),
+    (dict(disentangled_terms=("c2p",), disentangled_buckets=32, disentangled_max_distance=17),
+     "disentangled_max_distance"),
+    (dict(disentangled_terms=("c2p",), attention="additive"), "disentangled_terms"),
+    (dict(disentangled_terms=("c2p",), relative_attention_buckets=32), "disentangled_terms")])
+def test_invalid_disentangled_settings_are_config_errors_naming_the_field(change, named):
+    with pytest.raises(ConfigError, match=named):
+        EncoderConfig(**change)
+
+
+def test_the_disentangled_fields_round_trip_and_old_configs_load_without_them():
+    config = EncoderConfig(disentangled_terms=("c2p", "p2c"), disentangled_buckets=32, disentangled_max_distance=128,
+                           disentangled_share_key=True, disentangled_norm=True)
+    assert from_dict(json.loads(json.dumps(to_dict(config)))) == config
+    assert from_dict({**to_dict(EncoderConfig()), "disentangled_terms": "c2p,p2c"}).disentangled_terms == \
+        ("c2p", "p2c")  # `--set disentangled_terms=c2p,p2c`
+    old = {k: v for k, v in to_dict(EncoderConfig()).items() if not k.startswith("disentangled_")}
+    assert from_dict(old) == EncoderConfig()
+
+
+# --- a DeBERTa-v3-shaped cross-encoder, served ----------------------------------------------------------------
+
+QUERY = "what is the encoder"
+DOCUMENTS = ["the encoder", "A long document, with punctuation; and UNKNOWN words!",
+             " ".join(WORDS[(3 * i) % len(WORDS)] for i in range(150)),  # past the log buckets' start and reach
+             "it is a document of the encoder"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory, serve_start):
+    """(the CrossEncoder directory: DebertaV2ForSequenceClassification with one label and DeBERTa-v3's special ids
+    [PAD] 0, [CLS] 1, [SEP] 2, [UNK] 3, saved by sentence-transformers; its server)."""
+    from sentence_transformers import CrossEncoder
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer, vocab_size = word_tokenizer()
+    base = tmp_path_factory.mktemp("deberta-ce-base")
+    reference_model(seed=7, model_class="DebertaV2ForSequenceClassification", num_labels=1,
+                    vocab_size=vocab_size).save_pretrained(str(base))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                            unk_token="[UNK]", mask_token="[MASK]", model_max_length=512).save_pretrained(str(base))
+    directory = tmp_path_factory.mktemp("deberta-ce")
+    CrossEncoder(str(base), device="cpu").save(str(directory))
+    out = tmp_path_factory.mktemp("deberta-ce-export")
+    assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", "deberta-ce",
+                        "--graphs", "fp32", "--quiet"]) == 0
+    return directory, serve_start(out / "deberta-ce")
+
+
+def test_v1_rerank_scores_equal_cross_encoder_predict(cross_encoder):
+    from sentence_transformers import CrossEncoder
+
+    directory, server = cross_encoder
+    expected = CrossEncoder(str(directory), device="cpu").predict([(QUERY, d) for d in DOCUMENTS],
+                                                                   convert_to_numpy=True)
+    body = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/rerank", timeout=60,
+                      json={"model": "deberta-ce", "query": QUERY, "documents": DOCUMENTS}).json()
+    scores = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert sorted(scores) == list(range(len(DOCUMENTS)))
+    np.testing.assert_allclose([scores[i] for i in range(len(DOCUMENTS))], expected, atol=SCORE_ATOL, rtol=0)
+    assert [r["index"] for r in body["results"]] == list(np.argsort(-expected, kind="stable"))
+    assert np.ptp(expected) > 10 * SCORE_ATOL  # scores that tell the documents apart
