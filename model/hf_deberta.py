@@ -17,8 +17,9 @@ mask (zero at padding), whose keys no real query attends to.
 
 Refused, naming it: embedding_size other than hidden_size (embed_proj), conv_kernel_size > 0 (deberta-v2-xlarge's
 ConvLayer), attention_head_size other than hidden_size / num_attention_heads, pos_att_type terms other than
-c2p / p2c, relative_attention without pos_att_type (or norm_rel_ebd without relative_attention), pooler_hidden_size other than hidden_size, an activation
-other than the exact GELU or ReLU (pooler_hidden_act: GELU, tanh or ReLU).
+c2p / p2c, relative_attention without pos_att_type (or norm_rel_ebd without relative_attention),
+pooler_hidden_size other than hidden_size, an activation other than the exact GELU or ReLU (pooler_hidden_act:
+GELU, tanh or ReLU).
 
 Loaded by the shared strict loader (model/hf_pretrained.py) through `FAMILY`.
 """
@@ -46,7 +47,8 @@ DEBERTA_NAMES: Mapping[str, str] = {
 }
 # BERT's layer modules (under encoder.layer.{i}. -> layers.{i}.), the attention's under DeBERTa's names, and
 # the layer's position projections.
-_DEBERTA_ATTENTION = {"attention.self.query": "attention.self.query_proj", "attention.self.key": "attention.self.key_proj",
+_DEBERTA_ATTENTION = {"attention.self.query": "attention.self.query_proj",
+                      "attention.self.key": "attention.self.key_proj",
                       "attention.self.value": "attention.self.value_proj"}
 DEBERTA_LAYER_MODULES: Mapping[str, str] = {
     **{_DEBERTA_ATTENTION.get(bert, bert): ours for bert, ours in BERT_LAYER_MODULES.items()},
@@ -113,7 +115,7 @@ def deberta_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] =
         norm_placement="post",
         positional="learned" if hf.get("position_biased_input", True) else "none",
         activation=BERT_ACTIVATIONS[act],
-        # q·k, c2p and p2c alike: / sqrt(head_dim · (1 + terms)), counting pos_att_type even without relative_attention
+        # q·k, c2p and p2c alike: / sqrt(head_dim · (1 + terms)), pos_att_type counted even without relative_attention
         scaling="temperature",
         temperature=math.sqrt(head_size * (1 + len(terms))),
         disentangled_terms=terms if relative else (),
