@@ -65,8 +65,8 @@ def reach(config: EncoderConfig) -> int:
 
 
 class RelativeEmbeddings(nn.Module):
-    """The table every layer shares: `weight` (2·span, D) and its LayerNorm `norm` (disentangled_norm).
-    forward(T): (the normalised table, the c2p rows (T, T), the p2c rows (T, T)), rows[a, b] for r = a - b."""
+    """The table every layer shares: `weight` (2·span, D) and its LayerNorm `norm` (disentangled_norm), and the
+    rows c(r), p(r) of every relative position r at index r + reach (`c2p_rows`, `p2c_rows`)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -79,11 +79,15 @@ class RelativeEmbeddings(nn.Module):
         self.register_buffer("p2c_rows", p2c, persistent=False)
 
     def forward(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the table, normalised; the c2p and p2c indices (T·T,) of each pair (i, j), row-major, into a layer's
+        (T · 2·span) flattened products with the table: i·2·span + c(i - j) and j·2·span + p(j - i))."""
         table = self.norm(self.weight) if self.norm is not None else self.weight
         positions = torch.arange(length, device=self.weight.device)
-        relative = positions[:, None] - positions[None, :]  # (T, T): a - b
-        index = torch.clamp(relative, -self.reach, self.reach) + self.reach
-        return table, self.c2p_rows[index], self.p2c_rows[index]
+        relative = positions[:, None] - positions[None, :]  # (T, T): i - j
+        width = self.weight.shape[0]
+        c2p = positions[:, None] * width + self.c2p_rows[torch.clamp(relative, -self.reach, self.reach) + self.reach]
+        p2c = positions[None, :] * width + self.p2c_rows[torch.clamp(-relative, -self.reach, self.reach) + self.reach]
+        return table, c2p.reshape(-1), p2c.reshape(-1)
 
 
 class DisentangledAttention(nn.Module):
@@ -106,16 +110,18 @@ class DisentangledAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, scale: float | torch.Tensor,
                 positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q_proj: nn.Module,
                 k_proj: nn.Module) -> torch.Tensor:
-        """q, k: (B, heads, T, head_dim), the layer's projections; positions: RelativeEmbeddings' output."""
-        table, c2p_rows, p2c_rows = positions
+        """q, k: (B, heads, T, head_dim), the layer's projections; positions: RelativeEmbeddings' output. Each term
+        is one product with the table, (B, heads, T, 2·span), scaled there, and one Gather of its T·T entries by
+        an index shared by the batch and the heads (no (B, heads, T, T) index, no transpose)."""
+        table, c2p_index, p2c_index = positions
         b, h, t, _ = q.shape
-        terms = torch.zeros((), dtype=q.dtype)
-        if self.c2p:
-            pos_key = self._heads((self.pos_key_proj or k_proj)(table))
-            scores = torch.matmul(q, pos_key.transpose(-1, -2))  # (B, heads, T, 2·span): q_i · K_r[row]
-            terms = terms + torch.gather(scores, -1, c2p_rows.expand(b, h, t, t))
-        if self.p2c:
-            pos_query = self._heads((self.pos_query_proj or q_proj)(table))
-            scores = torch.matmul(k, pos_query.transpose(-1, -2))  # (B, heads, T, 2·span): k_a · Q_r[row]
-            terms = terms + torch.gather(scores, -1, p2c_rows.expand(b, h, t, t)).transpose(-1, -2)
-        return terms * scale
+        terms = []
+        if self.c2p:  # q_i · K_r[c(i - j)]
+            pos_key = self._heads((k_proj if self.pos_key_proj is None else self.pos_key_proj)(table))
+            products = torch.matmul(q, pos_key.transpose(-1, -2)) * scale  # (B, heads, T, 2·span)
+            terms.append(torch.index_select(products.reshape(b, h, -1), 2, c2p_index).reshape(b, h, t, t))
+        if self.p2c:  # k_j · Q_r[p(j - i)]
+            pos_query = self._heads((q_proj if self.pos_query_proj is None else self.pos_query_proj)(table))
+            products = torch.matmul(k, pos_query.transpose(-1, -2)) * scale  # (B, heads, T, 2·span), per key
+            terms.append(torch.index_select(products.reshape(b, h, -1), 2, p2c_index).reshape(b, h, t, t))
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
