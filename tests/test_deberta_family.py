@@ -131,7 +131,7 @@ def test_the_table_row_of_every_distance_is_transformers(deberta):
     assert table.reach < 5000
 
 
-def test_the_export_has_no_long_input_graph_and_refuses_one_by_name(deberta, tmp_path):
+def test_the_export_has_no_long_input_graph_and_refuses_one_by_name(deberta, tmp_path, capsys):
     reference, loaded, _, directory = deberta
     graphs = json.loads((directory / "metadata.json").read_text())["graphs"]
     assert set(graphs) == {"fp32", "optimized", "int8", "fp16"}  # "long" named none: the terms are dense only
@@ -141,6 +141,7 @@ def test_the_export_has_no_long_input_graph_and_refuses_one_by_name(deberta, tmp
     reference.save_pretrained(str(tmp_path / "checkpoint"))
     assert export_main(["--from-pretrained", str(tmp_path / "checkpoint"), "--out-dir", str(tmp_path / "out"),
                         "--graphs", "fp32,sparse", "--quiet"]) != 0
+    assert "graph variant(s) sparse do not apply" in capsys.readouterr().err
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
