@@ -40,7 +40,7 @@ class MaskInputs(NamedTuple):
     # (config.relative_attention_buckets; Encoder.relative_attention_bias), dense path only
     position_bias: torch.Tensor | None = None
     # disentangled attention (config.disentangled_terms): Encoder.relative_embeddings' (table (2·span, D), c2p
-    # rows (T, T), p2c rows (T, T)), from which each layer computes its position terms; dense path only
+    # and p2c indices (T·T,)), from which each layer computes its position terms; dense path only
     disentangled: tuple | None = None
 
 
