@@ -21,6 +21,7 @@ from model import long_attention
 from model.attention_math import kernel_attention, masked_softmax, scaled_dot_product  # noqa: F401 (re-exported)
 from model.attention_paths import DENSE, LINEAR, SPARSE, long_path
 from model.config import EncoderConfig
+from model.disentangled_attention import DisentangledAttention
 from model.mask_kinds import MaskKind
 from model.norms import make_norm
 
@@ -38,6 +39,9 @@ class MaskInputs(NamedTuple):
     # (1, heads, T, T) added to every layer's softmax scores after scaling: relative position buckets
     # (config.relative_attention_buckets; Encoder.relative_attention_bias), dense path only
     position_bias: torch.Tensor | None = None
+    # disentangled attention (config.disentangled_terms): Encoder.relative_embeddings' (table (2·span, D), c2p
+    # and p2c indices (T·T,)), from which each layer computes its position terms; dense path only
+    disentangled: tuple | None = None
 
 
 def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -100,6 +104,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"attention={config.attention!r} has no {path!r} path (it has dense"
                              f"{', ' + long_path(config) if long_path(config) else ''})")
         self.path = path
+        # DeBERTa: position terms on the scores (the long paths do not add them: long_path is None)
+        self.disentangled = DisentangledAttention(config) if config.disentangled_terms else None
         if self.kind == "additive":
             # a(q, k) = w_vᵀ · tanh(W_q·q + W_k·k): q and k are already the projections.
             self.additive_v = nn.Parameter(torch.randn(h, self.head_dim) / math.sqrt(self.head_dim))
@@ -163,7 +169,10 @@ class MultiHeadAttention(nn.Module):
             keep = allowed[:, None]  # (B, 1, T, T), broadcast over heads
             if self.kind == "softmax":
                 q, k, scale = self._scale(q, k, masks.attention_mask)
-                y = scaled_dot_product(q, k, v, keep, scale, masks.position_bias)
+                bias = masks.position_bias
+                if self.disentangled is not None:
+                    bias = self.disentangled(q, k, scale, masks.disentangled, self.q_proj, self.k_proj)
+                y = scaled_dot_product(q, k, v, keep, scale, bias)
             elif self.kind == "additive":
                 feats = torch.tanh(q[:, :, :, None, :] + k[:, :, None, :, :])  # (B, heads, T, T, head_dim)
                 scores = torch.einsum("bhijd,hd->bhij", feats, self.additive_v)

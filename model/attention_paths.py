@@ -54,14 +54,20 @@ PATH_KINDS = {
 # layer (scores, their masked copy, exponentials, probabilities; the [B, T, T] mask and custom-mask
 # input for dense). Measured with peak RSS on the default model (docs/performance.md, "Long inputs").
 BYTES_PER_SCORE = {DENSE: 30.0, SPARSE: 18.0, LINEAR: 12.0}
+# Disentangled attention (DeBERTa, config.disentangled_terms; dense only) holds its two position terms, their sum
+# and their T·T indices beside the scores: its peak per score measured 1.9-2.1 × a plain dense graph's (peak RSS
+# of fp32 graphs at d_model 256, 4 heads, 4 layers, T = 2048 and 4096, 256 buckets), so its dense score bytes
+# are counted this many times.
+DISENTANGLED_SCORE_FACTOR = 2.2
 # Bytes per token per model dimension outside attention (hidden states, FFN activations, outputs).
 BYTES_PER_TOKEN_DIM = 48.0
 
 
 def long_path(config: EncoderConfig) -> str | None:
     """The long-input path an export of `config` has beside dense, or None (additive attention; relative
-    position buckets, whose bias the long-input ops do not add: such a model is served dense)."""
-    if config.relative_attention_buckets:
+    position buckets and disentangled attention, whose terms the long-input ops do not add: such a model is
+    served dense)."""
+    if config.relative_attention_buckets or config.disentangled_terms:
         return None
     if config.attention == "softmax":
         return SPARSE
@@ -161,7 +167,7 @@ def attention_bytes(path: str, rows: int, length: int, mask: RowMask, config: En
     """Estimated peak bytes of one run of `rows` rows of `length` tokens on `path` (one layer's attention
     at its peak, plus the activations that scale with the tokens)."""
     scores = (score_elements(path, length, mask, config, peak=True, fused_tiles=fused_tiles) * config.n_heads
-              * BYTES_PER_SCORE[path])
+              * BYTES_PER_SCORE[path] * (DISENTANGLED_SCORE_FACTOR if config.disentangled_terms else 1.0))
     ffn_width = 2 * config.d_ff if config.ffn == "gated" else config.d_ff  # a GLU's up projection is 2·d_ff wide
     tokens = length * max(config.d_model, ffn_width) * BYTES_PER_TOKEN_DIM / 4
     return int(rows * (scores + tokens))

@@ -41,6 +41,9 @@ HEADS = ("none", "classification", "sparse")
 HEAD_POOLINGS = ("cls", "mean")
 # The activation inside a head's transform (dense -> act -> optional LayerNorm): "gelu" is the exact (erf) GELU.
 HEAD_ACTIVATIONS = ("tanh", "gelu", "relu")
+# DeBERTa's disentangled attention terms (model/disentangled_attention.py): content-to-position (c2p: each
+# query with the positions of its keys) and position-to-content (p2c: each key with the position of the query).
+DISENTANGLED_TERMS = ("c2p", "p2c")
 
 
 class ConfigError(ValueError):
@@ -121,6 +124,19 @@ class EncoderConfig:
     # per bucket is added to every layer's softmax scores after scaling. 0: none. Dense attention only.
     relative_attention_buckets: int = 0
     relative_attention_max_distance: int = 128
+    # Disentangled attention (DeBERTa-v2/v3; model/disentangled_attention.py): the terms named here (of
+    # DISENTANGLED_TERMS) are added to every layer's softmax scores, scaled as the content term (`scaling`):
+    # c2p(i, j) = q_i · K_r[δ(i, j)] and p2c(i, j) = k_j · Q_r[δ'(i, j)], K_r / Q_r a table of 2·span relative
+    # position embeddings shared by every layer (LayerNorm first if disentangled_norm), projected by the layer's
+    # own position projections, or its k / q projections when disentangled_share_key. δ: the bucket of i - j,
+    # clamped to the table; with disentangled_buckets > 0 (span = disentangled_buckets) distances past half of
+    # them are log-spaced up to disentangled_max_distance, else (span = disentangled_max_distance) exact.
+    # (): none. Dense attention only.
+    disentangled_terms: tuple[str, ...] = ()
+    disentangled_buckets: int = 0
+    disentangled_max_distance: int = 512
+    disentangled_share_key: bool = False
+    disentangled_norm: bool = False
     # Task head (model/heads.py; docs/export-format.md "Task heads"). The defaults are the headless encoder.
     #   classification: pool (head_pooling) -> dense(D, D, bias=head_bias) -> head_activation -> LayerNorm if
     #                   head_norm -> out(D, num_labels, bias=head_out_bias): logits [B, num_labels]
@@ -141,6 +157,9 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
+        terms = self.disentangled_terms.split(",") if isinstance(self.disentangled_terms, str) \
+            else self.disentangled_terms
+        object.__setattr__(self, "disentangled_terms", tuple(str(t).strip() for t in terms if str(t).strip()))
         for name, allowed in (
             ("scaling", SCALINGS),
             ("norm_placement", NORM_PLACEMENTS),
@@ -217,8 +236,31 @@ class EncoderConfig:
                                   f"(the exact buckets each way), got {self.relative_attention_max_distance}")
             if self.attention != "softmax":
                 raise ConfigError("relative_attention_buckets needs attention='softmax' (a bias on its scores)")
+        if self.disentangled_terms:
+            self._check_disentangled()
         if self.head == "sparse" and self.input_kind != "tokens":
             raise ConfigError("head='sparse' needs input_kind='tokens' (its output has one entry per vocabulary id)")
+
+    def _check_disentangled(self) -> None:
+        terms = self.disentangled_terms
+        wrong = [t for t in terms if t not in DISENTANGLED_TERMS]
+        if wrong or len(set(terms)) != len(terms):
+            raise ConfigError(f"disentangled_terms={list(terms)} must be distinct values of "
+                              f"{', '.join(DISENTANGLED_TERMS)}")
+        if self.disentangled_buckets and self.disentangled_buckets < 4:
+            raise ConfigError(f"disentangled_buckets must be 0 (exact distances) or >= 4, "
+                              f"got {self.disentangled_buckets}")
+        if self.disentangled_max_distance <= self.disentangled_buckets // 2 + 1:
+            raise ConfigError(f"disentangled_max_distance must be > disentangled_buckets // 2 + 1 (where the log "
+                              f"buckets end), got {self.disentangled_max_distance}")
+        if self.attention != "softmax" or self.relative_attention_buckets or self.kv_heads != self.n_heads:
+            raise ConfigError("disentangled_terms needs attention='softmax' (terms on its scores), no "
+                              "relative_attention_buckets and n_kv_heads = n_heads")
+
+    @property
+    def disentangled_span(self) -> int:
+        """Half the rows of the disentangled position table: the buckets, or the exact distances without them."""
+        return self.disentangled_buckets or self.disentangled_max_distance
 
     @property
     def head_dim(self) -> int:
@@ -265,6 +307,7 @@ def to_dict(config: EncoderConfig) -> dict[str, Any]:
     data = dataclasses.asdict(config)
     data["source"] = dict(config.source)
     data["local_layers"] = list(config.local_layers)
+    data["disentangled_terms"] = list(config.disentangled_terms)
     return data
 
 

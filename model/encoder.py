@@ -16,6 +16,7 @@ from model.activations import ACTIVATION_FUNCTIONS
 from model.attention import MaskInputs, MultiHeadAttention
 from model.attention_paths import DENSE
 from model.config import EncoderConfig
+from model.disentangled_attention import RelativeEmbeddings
 from model.heads import build_head
 from model.masks import build_allowed, within_window
 from model.norms import make_norm
@@ -155,6 +156,8 @@ class Encoder(nn.Module):
                                      persistent=False)
         # MPNet's relative position buckets: one bias table for every layer (relative_attention_bias.weight)
         self.relative_attention_bias = RelativePositionBias(config) if config.relative_attention_buckets else None
+        # DeBERTa's disentangled attention: one relative position table for every layer (rel_embeddings)
+        self.relative_embeddings = RelativeEmbeddings(config) if config.disentangled_terms else None
         self.head = build_head(config)  # None without a task head: the state dict is the headless one
 
     def forward(
@@ -182,6 +185,8 @@ class Encoder(nn.Module):
             masks = masks._replace(allowed=allowed, allowed_local=local)
         if self.relative_attention_bias is not None:  # computed once, added in every layer
             masks = masks._replace(position_bias=self.relative_attention_bias(attention_mask.shape[1]))
+        if self.relative_embeddings is not None:  # computed once, projected in every layer
+            masks = masks._replace(disentangled=self.relative_embeddings(attention_mask.shape[1]))
         h = self.embeddings(inputs, token_type_ids)  # (B, T, D)
         rotary = {}
         if self.config.positional == "rotary":

@@ -1,9 +1,9 @@
 """Hugging Face task heads (model/heads.py): how a head is loaded, whatever its family. Each family's own heads
 (which checkpoint modules make each head, which config.json keys set it up) are in its family file
-(`Family.heads`, `Family.head_config`: model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py); here,
-what they share: which head a directory declares, its tensors in our names, the sentence-transformers files
-that declare one, and the task metadata.json records. model/hf_pretrained.py loads the encoder and calls in
-here for the head.
+(`Family.heads`, `Family.head_config`: model/hf_bert.py, hf_roberta.py, hf_modernbert.py, hf_mpnet.py,
+hf_deberta.py); here, what they share: which head a directory declares, its tensors in our names, the
+sentence-transformers files that declare one, and the task metadata.json records. model/hf_pretrained.py loads
+the encoder and calls in here for the head.
 
   classification  a *ForSequenceClassification checkpoint (a cross-encoder, a classifier; sentence-transformers'
                   CrossEncoder saves one), loaded strictly: every head tensor is used

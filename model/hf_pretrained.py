@@ -24,6 +24,7 @@ checkpoint) is loaded with the encoder, by its family's head tables (model/hf_he
   nomic_bert           model/hf_nomic_bert.py
   gte, new             model/hf_gte.py
   llama, llama_bidirec, mistral  model/hf_llama.py
+  deberta-v2           model/hf_deberta.py
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from model import (hf_bert, hf_distilbert, hf_electra, hf_gemma3, hf_gte, hf_llama, hf_modernbert, hf_mpnet,
-                   hf_nomic_bert, hf_qwen, hf_roberta)
+from model import (hf_bert, hf_deberta, hf_distilbert, hf_electra, hf_gemma3, hf_gte, hf_llama, hf_modernbert,
+                   hf_mpnet, hf_nomic_bert, hf_qwen, hf_roberta)
 from model import text as _text
 from model.checkpoint import CheckpointError, fit_encoder, read_tensor_file
 from model.config import EncoderConfig
@@ -62,6 +63,7 @@ FAMILIES: tuple[Family, ...] = (
     hf_nomic_bert.FAMILY,
     hf_gte.FAMILY,
     hf_llama.FAMILY,
+    hf_deberta.FAMILY,
 )
 SUPPORTED_MODEL_TYPES = tuple(model_type for family in FAMILIES for model_type in family.model_types)
 
