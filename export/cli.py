@@ -153,14 +153,11 @@ def format_summary(results) -> str:
         meta = result.metadata
         for graph in result.graphs:
             info = meta.graphs[graph.name]
-            v = info.validation
-            parity = f"{v['metric']} {v['worst']:.2g} <= {v['limit']:g}" if v["metric"] == "max_abs" \
-                else f"{v['metric']} {v['worst']:.6f} >= {v['limit']:g}"
             # with its own external tensors (the graphs share one data file: model/onnx_files.py share_data)
             size = info.bytes + sum(d.get("tensor_bytes", d["bytes"]) for d in info.data)
             data = f" (+ {', '.join(d['file'] for d in info.data)})" if info.data else ""
             rows.append((str(graph.path) + data, f"{size / 1e6:.2f} MB", str(meta.opset),
-                         f"ok ({parity}, {v['cases']} cases)", _dims(meta.inputs), _dims(meta.outputs)))
+                         f"ok ({info.proof_line()})", _dims(meta.inputs), _dims(meta.outputs)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for r in rows:

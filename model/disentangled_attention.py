@@ -36,8 +36,9 @@ def log_bucket_positions(relative: torch.Tensor, buckets: int, max_distance: int
     sign = torch.sign(relative)
     mid = buckets // 2
     inside = (relative < mid) & (relative > -mid)
-    distance = torch.where(inside, torch.tensor(mid - 1).type_as(relative), torch.abs(relative))
-    log_position = torch.ceil(torch.log(distance / mid) / torch.log(torch.tensor((max_distance - 1) / mid))
+    distance = torch.where(inside, relative.new_tensor(mid - 1), torch.abs(relative))
+    scale = torch.log(relative.new_tensor((max_distance - 1) / mid, dtype=torch.float))
+    log_position = torch.ceil(torch.log(distance / mid) / scale
                               * (mid - 1)) + mid
     return torch.where(distance <= mid, relative.type_as(log_position), log_position * sign)
 
@@ -57,7 +58,9 @@ def reach(config: EncoderConfig) -> int:
     by doubling; MAX_SEQUENCE at most (no admitted sequence has a pair farther apart)."""
     distance = config.disentangled_span
     while distance < MAX_SEQUENCE:
-        c2p, p2c = relative_rows(torch.tensor([-distance, distance]), config)
+        # on the CPU explicitly: the answer is a number, also when the model is built on the meta device
+        # (export/exporter.py check_memory counts a checkpoint's weights that way before reading them)
+        c2p, p2c = relative_rows(torch.tensor([-distance, distance], device="cpu"), config)
         if c2p.tolist() == [0, 2 * config.disentangled_span - 1] and p2c.tolist() == c2p.flip(0).tolist():
             return distance
         distance *= 2
@@ -74,7 +77,7 @@ class RelativeEmbeddings(nn.Module):
         self.norm = make_norm(config) if config.disentangled_norm else None
         self.reach = reach(config)
         # the rows of relative position r at index r + reach: fixed tables, never in a state dict
-        c2p, p2c = relative_rows(torch.arange(-self.reach, self.reach + 1), config)
+        c2p, p2c = relative_rows(torch.arange(-self.reach, self.reach + 1, device="cpu"), config)
         self.register_buffer("c2p_rows", c2p, persistent=False)
         self.register_buffer("p2c_rows", p2c, persistent=False)
 

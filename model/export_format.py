@@ -92,6 +92,24 @@ class GraphEntry:
         """False only when the export recorded a failed validation."""
         return self.validation.get("passed") is not False
 
+    @property
+    def proof(self) -> dict[str, Any]:
+        """The parity proof users see (GetModelInfo, TEI /info, v2 REST metadata, the start-up line): the metric
+        against PyTorch, its worst value over the cases, the limit, the number of cases and the worst one."""
+        v = self.validation
+        return {"metric": str(v.get("metric", "")), "worst": float(v.get("worst", 0.0)),
+                "limit": float(v.get("limit", 0.0)), "cases": int(v.get("cases", 0)),
+                "worst_case": str(v.get("worst_case", ""))} if v else {}
+
+    def proof_line(self) -> str:
+        """The proof in a few words: `max_abs 8.3e-06 <= 0.0001, 38 cases`."""
+        p = self.proof
+        if not p:
+            return "not validated"
+        if p["metric"] == "max_abs":
+            return f"max_abs {p['worst']:.2g} <= {p['limit']:g}, {p['cases']} cases"
+        return f"{p['metric']} {p['worst']:.6f} >= {p['limit']:g}, {p['cases']} cases"  # cosine: 1 - tiny
+
     def as_dict(self) -> dict[str, Any]:
         return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "ir_version": self.ir_version,
                 "description": self.description, "attention_path": self.attention_path,

@@ -98,7 +98,11 @@ def resolve(source: str, revision: str | None = None) -> Resolved:
         if revision:
             raise HubError(f"model {source!r} is a directory: a revision (@{revision}) applies to model ids only")
         return Resolved(source, None, None, directory)
-    from huggingface_hub import errors, snapshot_download
+    try:
+        from huggingface_hub import errors, snapshot_download
+    except ImportError:
+        raise HubError(f"model {source}: model ids need huggingface_hub, which this installation lacks (pip install "
+                       "'.[serve]'); or pass a checkpoint or export directory") from None
 
     where = f"{source}@{revision}" if revision else source
     cache = cache_dir()

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -128,6 +129,45 @@ def test_a_cross_encoder_served_from_its_id_equals_cross_encoder_predict_on_its_
     ours = {row["index"]: row["score"] for row in answer}
     reference = CrossEncoder(str(hub["snapshots"][RERANKER_ID]), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
     assert np.allclose([ours[i] for i in range(len(DOCUMENTS))], reference, atol=SCORE_ATOL)
+
+
+def _proof_in_metadata(served, model):
+    """{graph: the proof recorded in the served export's metadata.json}, read from the file itself."""
+    (line,) = [line for line in _events(served.log(), "model_source") if f"model={model} " in line]
+    graphs = json.loads((Path(re.search(r"export=(\S+)", line).group(1)) / "metadata.json").read_text())["graphs"]
+    return {graph: {key: entry["validation"][key] for key in ("metric", "worst", "limit", "cases", "worst_case")}
+            for graph, entry in graphs.items()}
+
+
+def _proof_from_get_model_info(served):
+    import grpc
+
+    from serve.protocols.pb import pb, pb_grpc
+
+    with grpc.insecure_channel(served.target) as channel:
+        info = pb_grpc.EncoderServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(model="rr"), timeout=30)
+    return {v.graph: {"metric": v.metric, "worst": v.worst, "limit": v.limit, "cases": v.cases,
+                      "worst_case": v.worst_case} for v in info.validation}
+
+
+def _proof_from_tei_info(served):
+    return httpx.get(f"http://127.0.0.1:{served.http_port}/models/rr/info", timeout=30).json()["validation"]
+
+
+def _proof_from_v2_metadata(served):
+    return httpx.get(f"http://127.0.0.1:{served.http_port}/v2/models/rr", timeout=30).json()["validation"]
+
+
+@pytest.mark.parametrize("surface", [_proof_from_get_model_info, _proof_from_tei_info, _proof_from_v2_metadata],
+                         ids=["GetModelInfo", "tei-info", "v2-rest-metadata"])
+def test_the_exports_parity_proof_is_where_users_look(served, surface):
+    proof = surface(served)
+    assert proof == _proof_in_metadata(served, "rr") and proof["fp32"]["cases"] > 0
+
+
+def test_the_start_up_line_gives_each_models_parity_proof(served):
+    for line in _events(served.log(), "model_source"):
+        assert re.search(r'validation="fp32 max_abs \S+ <= 0\.0001, \d+ cases"', line), line
 
 
 def test_a_second_start_reuses_the_export_cache_without_exporting(served, hub, export_cache):

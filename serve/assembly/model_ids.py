@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from model.export_cache import ExportCache, default_root
-from model.export_format import METADATA_FILE
+from model.export_format import METADATA_FILE, ExportError, read_metadata
 from model.hub import HubError, ModelSpec, Resolved, parse_spec, resolve
 from serve import logs
 from serve.config import ServerConfig
@@ -87,19 +87,12 @@ def run_exporter(directory: Path, options: list[str], out_dir: Path, name: str, 
 
 
 def _validation_line(export_dir: Path) -> str:
-    """The export's parity proof, one entry per graph: graph metric worst <= limit (cases)."""
+    """The export's parity proof, graph by graph (GraphEntry.proof_line)."""
     try:
-        graphs = json.loads((export_dir / METADATA_FILE).read_text()).get("graphs", {})
-    except (OSError, ValueError):
-        return "unreadable metadata"
-    parts = []
-    for graph, info in graphs.items():
-        v = info.get("validation") or {}
-        if v:
-            relation = "<=" if v.get("metric") == "max_abs" else ">="
-            parts.append(f"{graph} {v.get('metric')} {v.get('worst'):.2g} {relation} {v.get('limit'):g} "
-                         f"({v.get('cases')} cases)")
-    return "; ".join(parts) or "no validation recorded"
+        graphs = read_metadata(export_dir).graphs
+    except ExportError as error:
+        return f"unreadable metadata: {error}"
+    return "; ".join(f"{name} {entry.proof_line()}" for name, entry in graphs.items())
 
 
 def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: list[str]) -> tuple[Path, bool]:

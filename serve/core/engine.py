@@ -49,6 +49,8 @@ class ModelDescription:
     default_prompt_name: str = ""
     natural_mask: str = "bidirectional"
     embedding_width: int = 0  # a pooled embedding's width as clients get it: d_model, or the projection's output
+    # the export's parity proof against PyTorch, per graph (model/export_format.py GraphEntry.proof)
+    validation: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -149,5 +151,6 @@ class Engine:
             default_prompt_name=meta.default_prompt_name or "",
             natural_mask=config.natural_mask,
             embedding_width=self.embedding_width,
+            validation={name: entry.proof for name, entry in meta.graphs.items() if entry.proof},
         )
 

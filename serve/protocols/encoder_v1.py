@@ -287,6 +287,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 task=d.task, labels=list(d.labels), prompts=dict(d.prompts),
                 default_prompt_name=d.default_prompt_name, natural_mask=d.natural_mask,
                 embedding_width=d.embedding_width,
+                validation=[pb.GraphValidation(graph=graph, **proof) for graph, proof in d.validation.items()],
             )
 
 

@@ -39,8 +39,11 @@ def error_body(status: int, message: str) -> bytes:
 def metadata_json(engine) -> dict:
     meta = kserve.model_metadata(engine)
     tensor = lambda t: {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}  # noqa: E731
+    # "validation" is ours (the export's parity proof per graph): v2 clients ignore a field they do not know;
+    # v2 gRPC's ModelMetadataResponse has no room for it (GetModelInfo has it)
     return {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform,
-            "inputs": [tensor(t) for t in meta.inputs], "outputs": [tensor(t) for t in meta.outputs]}
+            "inputs": [tensor(t) for t in meta.inputs], "outputs": [tensor(t) for t in meta.outputs],
+            "validation": engine.describe().validation}
 
 
 def _set_param(target, key: str, value, where: str) -> None:

@@ -225,7 +225,8 @@ def info(api: Api, rpc, call: HttpCall) -> None:
             "max_batch_tokens": d.limits["max_batch_tokens"], "max_batch_requests": d.limits["max_batch_size"],
             "max_client_batch_size": d.limits["max_sequences_per_request"], "auto_truncate": False,
             "tokenization_workers": 1, "version": d.version, "sha": None, "docker_label": None,
-            "prompts": d.prompts, "default_prompt_name": d.default_prompt_name or None})
+            "prompts": d.prompts, "default_prompt_name": d.default_prompt_name or None,
+            "validation": d.validation})  # ours: the export's parity proof per graph (TEI has no such field)
 
     answer_now(api, "tei.Info", rpc, work)
 
