@@ -26,7 +26,9 @@ DOCKER_UNIT = "docker-engine"
 # comes after these, in collection order.
 LONGEST_FIRST = (
     "test_deploy_lb.py", "test_docker_smoke.py",
-    "test_long_attention.py", "test_parity.py", "test_decoder_families.py", "test_hf_families.py",
+    "test_long_attention.py", "test_parity.py", "test_rotary_encoder_families.py", "test_model_ids.py",
+    "test_llama_mistral_families.py", "test_decoder_families.py", "test_distil_electra_families.py",
+    "test_deberta_family.py", "test_hf_families.py", "test_mpnet.py",
     "test_heads.py", "test_big_graph.py", "test_tiled_attention.py", "test_tiled_serving.py",
     "test_external_data.py", "test_graph_variants.py", "test_modernbert_serving.py", "test_task_routes.py",
     "test_st_dense.py", "test_export_cli.py", "test_text_serving.py", "test_http_connections.py",
