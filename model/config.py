@@ -90,6 +90,11 @@ class EncoderConfig:
     # Linear rotary scaling (transformers' rope_type "linear"): every rotary frequency divided by this, i.e.
     # positions t / rope_scale. 1: none.
     rope_scale: float = 1.0
+    # Llama 3.1's rotary scaling (transformers' rope_type "llama3"), applied to every rotary frequency f after
+    # rope_scale: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); long wavelengths
+    # (2π/f > original / low) divided by factor, short ones (< original / high) kept, those between interpolated.
+    # (): none.
+    rope_llama3: tuple[float, ...] = ()
     # Bias-free projections (ModernBERT: no bias in any linear nor in any LayerNorm).
     linear_bias: bool = True
     norm_bias: bool = True
@@ -160,6 +165,8 @@ class EncoderConfig:
         terms = self.disentangled_terms.split(",") if isinstance(self.disentangled_terms, str) \
             else self.disentangled_terms
         object.__setattr__(self, "disentangled_terms", tuple(str(t).strip() for t in terms if str(t).strip()))
+        llama3 = self.rope_llama3.split(",") if isinstance(self.rope_llama3, str) else self.rope_llama3
+        object.__setattr__(self, "rope_llama3", tuple(float(v) for v in llama3 if str(v).strip()))
         for name, allowed in (
             ("scaling", SCALINGS),
             ("norm_placement", NORM_PLACEMENTS),
@@ -216,6 +223,13 @@ class EncoderConfig:
             raise ConfigError("rope_theta and rope_theta_local must be > 0")
         if self.rope_scale <= 0:
             raise ConfigError(f"rope_scale must be > 0, got {self.rope_scale}")
+        if self.rope_llama3:
+            if len(self.rope_llama3) != 4 or min(self.rope_llama3) <= 0:
+                raise ConfigError(f"rope_llama3={list(self.rope_llama3)} must be 4 positive numbers: factor, "
+                                  "low_freq_factor, high_freq_factor, original_max_position_embeddings")
+            if self.rope_llama3[2] <= self.rope_llama3[1]:
+                raise ConfigError(f"rope_llama3's high_freq_factor ({self.rope_llama3[2]:g}) must be above its "
+                                  f"low_freq_factor ({self.rope_llama3[1]:g})")
         if not self.first_attention_norm and self.norm_placement != "pre":
             raise ConfigError("first_attention_norm=False needs norm_placement='pre'")
         layers = tuple(self.local_layers)
@@ -308,6 +322,7 @@ def to_dict(config: EncoderConfig) -> dict[str, Any]:
     data["source"] = dict(config.source)
     data["local_layers"] = list(config.local_layers)
     data["disentangled_terms"] = list(config.disentangled_terms)
+    data["rope_llama3"] = list(config.rope_llama3)
     return data
 
 

@@ -41,6 +41,18 @@ def rotary_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original: float) -> torch.Tensor:
+    """Llama 3.1's scaled frequencies (transformers' rope_type "llama3"): wavelengths 2π/f longer than
+    original / low_freq_factor divided by `factor`, shorter than original / high_freq_factor kept, those between
+    interpolated by where original / wavelength falls between the two factors."""
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = (wavelength >= original / high_freq_factor) & (wavelength <= original / low_freq_factor)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
 def rotary_tables(length: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (T, head_dim): angle t·f_k, the half-dim table repeated twice (rotate-half layout).
 
@@ -152,8 +164,10 @@ class Encoder(nn.Module):
         if config.positional == "rotary":  # fixed tables: non-persistent, never in a state dict
             for buffer, theta in (("rope_global", config.rope_theta), ("rope_local", config.rope_theta_local)):
                 # linear scaling divides the float32 frequencies, as transformers does (exact for rope_scale 1)
-                self.register_buffer(buffer, rotary_inverse_frequencies(config.head_dim, theta) / config.rope_scale,
-                                     persistent=False)
+                inv_freq = rotary_inverse_frequencies(config.head_dim, theta) / config.rope_scale
+                if config.rope_llama3:
+                    inv_freq = llama3_frequencies(inv_freq, *config.rope_llama3)
+                self.register_buffer(buffer, inv_freq, persistent=False)
         # MPNet's relative position buckets: one bias table for every layer (relative_attention_bias.weight)
         self.relative_attention_bias = RelativePositionBias(config) if config.relative_attention_buckets else None
         # DeBERTa's disentangled attention: one relative position table for every layer (rel_embeddings)

@@ -6,7 +6,7 @@ and one entry there.
 
 Also here: what the families' name maps and config readers share (`OUR_LAYER_NAME`, `checkpoint_name`,
 `require`, `encoder_config`, `table_maps` with its fused row blocks, the rotary readers `plain_rope_theta` and
-`scaled_rope`), and the SwiGLU decoder that Llama, Mistral and Qwen2/3 share (`DECODER_NAMES`,
+`rope_fields`), and the SwiGLU decoder that Llama, Mistral and Qwen2/3 share (`DECODER_NAMES`,
 `PRE_NORM_DECODER_LAYER_MODULES`, `swiglu_decoder_config`).
 """
 
@@ -143,25 +143,36 @@ def table_maps(names: Mapping[str, str], layer_modules: Mapping[str, str], layer
 
 # transformers' rope_type values the encoder computes: plain rotary positions (θ), and linear scaling (θ, every
 # frequency divided by `factor`: EncoderConfig.rope_scale).
-ROPE_TYPES = ("default", "linear")
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def scaled_rope(hf: Mapping[str, Any], old_key: str, default: float) -> tuple[float, float]:
-    """(θ, rope_scale) of a model with one rotary setting: transformers 5's rope_parameters, or the older
-    `old_key` θ with transformers 4's rope_scaling; rope_type 'default' (scale 1) or 'linear' (its factor). Any
-    other rope_type (dynamic, yarn, llama3, longrope, ...) is refused naming it, as is a partial_rotary_factor
-    (the encoder rotates the whole head)."""
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+def rope_fields(hf: Mapping[str, Any], old_key: str, default: float) -> dict[str, Any]:
+    """EncoderConfig's rotary fields (rope_theta and rope_theta_local, rope_scale, rope_llama3) of a model with one
+    rotary setting: transformers 5's rope_parameters, or the older `old_key` θ with transformers 4's rope_scaling.
+    rope_type 'default', 'linear' (its factor: rope_scale) or 'llama3' (Llama 3.1's: factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings); any other (dynamic, yarn, longrope, ...) is refused
+    naming it, as is a partial_rotary_factor (the encoder rotates the whole head)."""
+    old, new = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
+    kinds = {key: d.get("rope_type", d.get("type", "default")) for key, d in (("rope_scaling", old),
+                                                                            ("rope_parameters", new)) if d}
+    if len(set(kinds.values())) > 1:
+        raise CheckpointError(f"rope_scaling and rope_parameters disagree: {kinds}")
+    params = {**old, **new}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"partial_rotary_factor {partial} is not supported (the whole head is rotated)")
-    if rope_type == "linear" and not isinstance(params.get("factor"), (int, float)):
-        raise CheckpointError("rope_type 'linear' needs a numeric factor")
-    scale = float(params["factor"]) if rope_type == "linear" else 1.0
-    return float(params.get("rope_theta", hf.get(old_key, default))), scale
+    needs = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[rope_type]
+    absent = [key for key in needs if not isinstance(params.get(key), (int, float))]
+    if absent:
+        raise CheckpointError(f"rope_type {rope_type!r} needs numeric {', '.join(absent)}")
+    theta = float(params.get("rope_theta", hf.get(old_key, default)))
+    return dict(rope_theta=theta, rope_theta_local=theta,
+                rope_scale=float(params["factor"]) if rope_type == "linear" else 1.0,
+                rope_llama3=tuple(float(params[key]) for key in needs) if rope_type == "llama3" else ())
 
 
 def plain_rope_theta(hf: Mapping[str, Any], kind: str | None, old_key: str, default: float) -> float:
@@ -224,8 +235,8 @@ def encoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], 
 
 
 def swiglu_decoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], **fields: Any) -> EncoderConfig:
-    """EncoderConfig of a Llama-style decoder embedder (Llama, Mistral, Qwen2/3): pre-norm RMSNorm, plain
-    rotary positions (plain_rope_theta), grouped-query attention (num_key_value_heads) with config.json's
+    """EncoderConfig of a Llama-style decoder embedder (Llama, Mistral, Qwen2/3): pre-norm RMSNorm, rotary
+    positions (rope_fields: plain, linear or Llama 3.1's), grouped-query attention (num_key_value_heads) with config.json's
     head_dim, a SwiGLU MLP (hidden_act silu), no bias, causal as the natural mask; the family's `fields`
     override these (Qwen2's q/k/v bias, Qwen3's q/k norms, Mistral's window). hidden_act other than silu is
     refused naming it."""
@@ -235,7 +246,6 @@ def swiglu_decoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str,
         raise CheckpointError(f"hidden_act {act!r} is not supported; expected one of silu")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hidden // heads)
-    theta = plain_rope_theta(hf, None, "rope_theta", 10000.0)
     decoder = dict(
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         attention_head_dim=head_dim if head_dim * heads != hidden else 0,
@@ -246,8 +256,7 @@ def swiglu_decoder_config(hf: Mapping[str, Any], name: str, source: Mapping[str,
         layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         norm_placement="pre",
         positional="rotary",
-        rope_theta=theta,
-        rope_theta_local=theta,
+        **rope_fields(hf, "rope_theta", 10000.0),
         activation="silu",
         ffn="gated",
         linear_bias=False,

@@ -13,9 +13,9 @@ Two layouts load:
     rope_scaling, encoder.layer.{i}.attention.qkv_proj fused q, k, v, mlp.up_gate_proj fused up then gate,
     attn_ln / mlp_ln), whose switches must be the values above (GTE_HUB_SETTINGS).
 A GteForSequenceClassification checkpoint is exported with its classifier (BERT's, as NomicBERT's).
-Refused by name: the hub's rope_scaling type "ntk" (gte-base-en-v1.5's fixed NTK, which transformers'
-GteModel does not compute, so no reference checks it) and every rope type but default / linear, RMSNorm
-layers, logn attention scaling, unpacked q/k/v.
+The hub's rope_scaling type "ntk" (gte-base-en-v1.5's fixed NTK) is read as what its code computes: θ·factor and
+a linear scale of factor^(2/head_dim) (fixed_ntk_as_linear). Refused by name: its mixed variant (mixed_b), every
+other rope type but default / linear, RMSNorm layers, logn attention scaling, unpacked q/k/v.
 
 Loaded by the shared strict loader (model/hf_pretrained.py) through `FAMILY`.
 """
@@ -66,14 +66,35 @@ def gte_to_encoder(name: str, tensor: torch.Tensor) -> Mapped:
     return _builtin_to_encoder(name, tensor) or _hub_to_encoder(name, tensor)
 
 
+def fixed_ntk_as_linear(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The hub's rope_scaling {"type": "ntk", "factor": f} (gte-base-en-v1.5: f = 2, θ 500k) as what it computes,
+    in transformers' terms. Its NTKScalingRotaryEmbedding fills its cos/sin cache at construction for
+    max_position_embeddings · f positions, a length past max_position_embeddings, so it always takes the
+    scaled frequencies: base θ·f, every frequency then divided by f^(2/head_dim); that is rope_theta θ·f with
+    rope_type "linear" of factor f^(2/head_dim) (EncoderConfig.rope_scale), at every length. Its mixed variant
+    (`mixed_b`: a factor per frequency) is refused naming it. Any other config.json is returned as is."""
+    scaling = hf.get("rope_scaling") or {}
+    if hf.get("model_type") != "new" or scaling.get("type", scaling.get("rope_type")) != "ntk":
+        return hf
+    if scaling.get("mixed_b") is not None:
+        raise CheckpointError(f"rope_scaling 'ntk' with mixed_b {scaling['mixed_b']} (a factor per frequency) is "
+                              "not supported; expected the fixed NTK (no mixed_b)")
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise CheckpointError(f"rope_scaling 'ntk' needs a positive numeric factor, got {factor!r}")
+    head_dim = int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    theta = float(hf.get("rope_theta", 160_000.0)) * factor
+    return {**hf, "rope_theta": theta, "rope_scaling": {"type": "linear", "factor": factor ** (2 / head_dim)}}
+
+
 def gte_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = ()) -> EncoderConfig:
     """EncoderConfig for a GTE config.json (model_type "gte", or the hub's "new")."""
     for key, accepted in GTE_HUB_SETTINGS.items():
         if hf.get(key) not in accepted:
             raise CheckpointError(f"{key} {hf[key]!r} is not supported for {hf.get('model_type')}; expected "
                                   f"{' or '.join(repr(v) for v in accepted if v is not None)}")
-    return rotary_bert_config({"type_vocab_size": 1, **hf}, name, source, default_theta=160_000.0,
-                              default_act="gelu", linear_bias=True, ffn_in_bias=False)
+    return rotary_bert_config({"type_vocab_size": 1, **fixed_ntk_as_linear(hf)}, name, source,
+                              default_theta=160_000.0, default_act="gelu", linear_bias=True, ffn_in_bias=False)
 
 
 FAMILY = Family(

@@ -30,7 +30,7 @@ import torch
 from model.checkpoint import CheckpointError
 from model.config import EncoderConfig
 from model.hf_bert import BERT_HEADS, bert_head_config
-from model.hf_family import (DECODER_LAYER_MODULES, Family, Mapped, encoder_config, require, scaled_rope,
+from model.hf_family import (DECODER_LAYER_MODULES, Family, Mapped, encoder_config, require, rope_fields,
                              table_maps)
 
 NOMIC_BERT_TYPE = "nomic_bert"
@@ -111,12 +111,11 @@ def rotary_bert_activation(hf: Mapping[str, Any], default: str) -> str:
 def rotary_bert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any], *, default_theta: float,
                        default_act: str, **fields: Any) -> EncoderConfig:
     """EncoderConfig of a rotary post-norm BERT in transformers' keys (NomicBertConfig, GteConfig): gated MLP,
-    embeddings LayerNorm, token types when type_vocab_size > 0, rotary positions (scaled_rope); `fields` the
+    embeddings LayerNorm, token types when type_vocab_size > 0, rotary positions (rope_fields); `fields` the
     family's biases."""
     require(hf, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
     heads, width = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or width // heads)
-    theta, scale = scaled_rope(hf, "rope_theta", default_theta)
     return encoder_config(
         hf, name, source,
         attention_head_dim=head_dim if head_dim * heads != width else 0,
@@ -125,9 +124,7 @@ def rotary_bert_config(hf: Mapping[str, Any], name: str, source: Mapping[str, An
         layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         norm_placement="post",
         positional="rotary",
-        rope_theta=theta,
-        rope_theta_local=theta,
-        rope_scale=scale,
+        **rope_fields(hf, "rope_theta", default_theta),
         activation=rotary_bert_activation(hf, default_act),
         ffn="gated",
         **fields,

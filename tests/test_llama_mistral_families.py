@@ -127,10 +127,10 @@ def test_a_mistral_without_a_window_has_no_local_layer(tmp_path):
 @pytest.mark.parametrize("model_type,field,value,named", [
     ("llama", "attention_bias", True, "attention_bias=True with mlp_bias=False"),
     ("llama", "mlp_bias", True, "attention_bias=False with mlp_bias=True"),
-    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-                                  "rope_theta": 5e5}, "rope_type 'llama3'"),
-    ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3'"),
+    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5},
+     "rope_type 'llama3' needs numeric low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling and rope_parameters disagree"),
+    ("llama", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}, "rope_type 'longrope'"),
     ("mistral", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_type 'yarn'"),
     ("llama", "hidden_act", "gelu", "hidden_act 'gelu'"),
     ("mistral", "is_causal", False, "is_causal=false"),
@@ -180,6 +180,31 @@ def test_mistral_matches_only_with_its_window_exactly(window):
     feeds = feeds_of(config, [40, 13])
     assert error_against(reference, right, feeds) <= ATOL
     assert error_against(reference, wrong, feeds) > TELLING
+
+
+# Llama 3.1's rotary scaling at a small original context (64): with θ 5e5 and head_dim 32 the wavelengths run from
+# 6 to ~10^6, so some frequencies are kept (< 16), some interpolated (16..64) and the rest divided by the factor
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 5e5}
+
+
+def test_llama_3_1s_rotary_scaling_equals_transformers_and_matters(tmp_path):
+    """Llama 3.1 / 3.2 checkpoints (and the retrievers built on them) carry rope_type llama3: our export's graph and
+    our encoder equal LlamaModel's; the same weights without the scaling do not."""
+    reference = reference_model("llama", rope_parameters=LLAMA3_ROPE)
+    reference.save_pretrained(str(tmp_path / "checkpoint"))
+    loaded = load_pretrained(tmp_path / "checkpoint")
+    assert loaded.config.rope_llama3 == (8.0, 1.0, 4.0, 64.0)
+    feeds = feeds_of(loaded.config, [300, 40])
+    assert error_against(reference, loaded.encoder, feeds) <= ATOL
+    assert export_main(["--from-pretrained", str(tmp_path / "checkpoint"), "--out-dir", str(tmp_path / "out"),
+                        "--name", "l3", "--graphs", "fp32", "--quiet"]) == 0
+    session = ort.InferenceSession(str(tmp_path / "out" / "l3" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert max_error_at_real_positions(graph_hidden(session, feeds), transformers_hidden(reference, feeds),
+                                       feeds["attention_mask"]) <= ATOL
+    unscaled = Encoder(loaded.config.replace(rope_llama3=())).eval()
+    unscaled.load_state_dict(loaded.encoder.state_dict())
+    assert error_against(reference, unscaled, feeds) > TELLING
 
 
 # --- bidirectional Llama (NVIDIA's LlamaBidirectionalModel) -------------------------------------------------------

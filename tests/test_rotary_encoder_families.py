@@ -257,7 +257,7 @@ def test_the_hubs_remote_code_layout_loads_to_the_same_encoder(tmp_path, model_t
     ("nomic_bert", "rope_parameters", {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
      "partial_rotary_factor 0.5"),
     ("gte", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "rope_type 'yarn'"),
-    ("gte", "rope_parameters", {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4}, "rope_type 'llama3'"),
+    ("gte", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}, "rope_type 'longrope'"),
     ("gte", "layer_norm_type", "rms_norm", "layer_norm_type 'rms_norm'"),
     ("gte", "logn_attention_scale", True, "logn_attention_scale True")])
 def test_what_the_encoder_does_not_compute_is_refused_naming_it(tmp_path, model_type, field, value, named):
@@ -269,11 +269,25 @@ def test_what_the_encoder_does_not_compute_is_refused_naming_it(tmp_path, model_
         load_pretrained(tmp_path)
 
 
-def test_gte_base_en_v1_5s_fixed_ntk_scaling_is_refused_naming_it(tmp_path):
-    """The hub's rope_scaling {"type": "ntk"}: transformers' GteModel does not compute it, so nothing checks ours."""
+def test_gte_base_en_v1_5s_fixed_ntk_equals_transformers_at_theta_times_f_and_a_linear_scale(tmp_path):
+    """The hub's rope_scaling {"type": "ntk", "factor": f} (gte-base-en-v1.5: f 2, θ 500k), by the hub's code,
+    always takes base θ·f and divides every frequency by f^(2/head_dim): transformers' GteModel with that θ and
+    that linear factor is the reference."""
+    factor, theta, head_dim = 2.0, 500_000.0, SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    reference = reference_model("gte", rope_parameters={"rope_type": "linear", "factor": factor ** (2 / head_dim),
+                                                        "rope_theta": theta * factor})
+    state, settings = gte_hub_checkpoint(reference)
+    loaded = loaded_from(state, dict(settings, rope_theta=theta, rope_scaling={"type": "ntk", "factor": factor}),
+                         tmp_path)
+    assert error_against(reference, loaded.encoder, (300, 57)) <= ATOL
+    plain = reference_model("gte", rope_parameters={"rope_type": "default", "rope_theta": theta})
+    assert error_against(plain, loaded.encoder, (300, 57)) > TELLING  # the scaling is not a no-op here
+
+
+def test_the_hubs_mixed_ntk_is_refused_naming_it(tmp_path):
     state, settings = gte_hub_checkpoint(reference_model("gte"))
-    with pytest.raises(CheckpointError, match="rope_type 'ntk'"):
-        loaded_from(state, dict(settings, rope_scaling={"type": "ntk", "factor": 2.0}), tmp_path)
+    with pytest.raises(CheckpointError, match="mixed_b 0.5"):
+        loaded_from(state, dict(settings, rope_scaling={"type": "ntk", "factor": 2.0, "mixed_b": 0.5}), tmp_path)
 
 
 # --- a nomic-embed-shaped and a gte-shaped model, served --------------------------------------------------------
