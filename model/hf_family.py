@@ -155,12 +155,13 @@ def rope_fields(hf: Mapping[str, Any], old_key: str, default: float) -> dict[str
     old, new = hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}
     kinds = {key: d.get("rope_type", d.get("type", "default")) for key, d in (("rope_scaling", old),
                                                                             ("rope_parameters", new)) if d}
+    for rope_type in kinds.values():
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
     if len(set(kinds.values())) > 1:
         raise CheckpointError(f"rope_scaling and rope_parameters disagree: {kinds}")
     params = {**old, **new}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"rope_type {rope_type!r} is not supported; expected one of {', '.join(ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"partial_rotary_factor {partial} is not supported (the whole head is rotated)")

@@ -12,7 +12,6 @@ import json
 
 import httpx
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
@@ -24,7 +23,10 @@ from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
-from tests.hf_references import WORDS, redraw, word_tokenizer
+from tests import dense_parity
+from tests.dense_parity import (CONVERTED_GRAPHS, EXACT_GRAPHS, exported, graph_hidden, max_error, min_token_cosine,
+                                 ours_hidden, transformers_hidden)
+from tests.hf_references import WORDS, word_tokenizer
 
 ATOL = 1e-4  # hidden states at real positions, max abs
 TELLING = 1e-2  # a missing part moves the hidden states by more than this at this scale
@@ -35,72 +37,21 @@ DEBERTA = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_
                max_position_embeddings=512, relative_attention=True, position_buckets=32, max_relative_positions=128,
                norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type="p2c|c2p", position_biased_input=False,
                type_vocab_size=0, layer_norm_eps=1e-7, pad_token_id=0)
-EXACT_GRAPHS = ("model.onnx", "model.optimized.onnx")  # within ATOL of transformers
-CONVERTED_GRAPHS = {"model.int8.onnx": 0.998, "model.fp16.onnx": 0.9999}  # min cosine per real token
 
 
 def reference_model(seed: int = 0, model_class: str = "DebertaV2Model", **changes):
-    import transformers
-
-    config = transformers.DebertaV2Config(**{**DEBERTA, **changes})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    return redraw(getattr(transformers, model_class)(config), seed=seed)
+    return dense_parity.reference_model("DebertaV2Config", model_class, DEBERTA, seed, **changes)
 
 
 @pytest.fixture(scope="module")
 def deberta(tmp_path_factory):
     """(transformers reference, our loaded model, {graph file: CPU session}, export directory)."""
-    reference = reference_model()
-    checkpoint = tmp_path_factory.mktemp("deberta")
-    reference.save_pretrained(str(checkpoint))
-    out = tmp_path_factory.mktemp("deberta-export")
-    assert export_main(["--from-pretrained", str(checkpoint), "--out-dir", str(out), "--name", "d",
-                        "--graphs", "fp32,optimized,int8,fp16,long", "--quiet"]) == 0
-    sessions = {name: ort.InferenceSession(str(out / "d" / name), providers=["CPUExecutionProvider"])
-                for name in (*EXACT_GRAPHS, *CONVERTED_GRAPHS)}
-    return reference, load_pretrained(checkpoint), sessions, out / "d"
+    return exported(reference_model(), tmp_path_factory, "d")
 
 
 def batch(lengths: list[int], seed: int = 0, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask): rows of random non-special ids, the pad id 0 in the padding (right or left)."""
-    generator = torch.Generator().manual_seed(seed)
-    length = max(lengths)
-    ids = torch.randint(5, DEBERTA["vocab_size"], (len(lengths), length), generator=generator)
-    mask = torch.zeros(len(lengths), length, dtype=torch.int64)
-    for row, n in enumerate(lengths):
-        if left:
-            mask[row, length - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return torch.where(mask.bool(), ids, torch.zeros_like(ids)), mask
-
-
-def transformers_hidden(reference, ids, mask, token_type_ids=None) -> np.ndarray:
-    with torch.no_grad():
-        return reference(input_ids=ids, attention_mask=mask, token_type_ids=token_type_ids).last_hidden_state.numpy()
-
-
-def ours_hidden(encoder, ids, mask, token_type_ids=None) -> np.ndarray:
-    with torch.no_grad():
-        return encoder(ids, mask, **default_mask_inputs(mask), token_type_ids=token_type_ids)[0].numpy()
-
-
-def graph_hidden(session, ids, mask) -> np.ndarray:
-    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(),
-             **{k: v.numpy() for k, v in default_mask_inputs(mask).items()}}
-    return session.run(["last_hidden_state"], feeds)[0]
-
-
-def max_error(actual, expected, mask) -> float:
-    valid = mask.numpy().astype(bool)
-    return float(np.abs(actual[valid] - expected[valid]).max())
-
-
-def min_token_cosine(actual, expected, mask) -> float:
-    valid = mask.numpy().astype(bool)
-    a, b = actual[valid], expected[valid]
-    return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+    """(input_ids, attention_mask): rows of random non-special ids, the pad id in the padding (right or left)."""
+    return dense_parity.batch(lengths, DEBERTA["vocab_size"], 0, seed, left)
 
 
 # --- config.json -> the encoder's parts -----------------------------------------------------------------------
