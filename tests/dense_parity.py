@@ -82,3 +82,24 @@ def min_token_cosine(actual, expected, mask) -> float:
     valid = mask.numpy().astype(bool)
     a, b = actual[valid], expected[valid]
     return float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min())
+
+
+def assert_every_graph_matches(exported_model, ids, mask, atol: float) -> None:
+    """Our encoder and the exact graphs within `atol` of transformers at real positions; the converted graphs at
+    least their cosine per real token."""
+    reference, loaded, sessions, _ = exported_model
+    expected = transformers_hidden(reference, ids, mask)
+    assert max_error(ours_hidden(loaded.encoder, ids, mask), expected, mask) <= atol
+    for name in EXACT_GRAPHS:
+        error = max_error(graph_hidden(sessions[name], ids, mask), expected, mask)
+        assert error <= atol, f"{name}: {error}"
+    for name, limit in CONVERTED_GRAPHS.items():
+        cosine = min_token_cosine(graph_hidden(sessions[name], ids, mask), expected, mask)
+        assert cosine >= limit, f"{name}: {cosine}"
+
+
+def optimized_ops(directory) -> set[str]:
+    """The operator types of an export's optimized graph (whether ONNX Runtime's optimizer fused attention)."""
+    import onnx
+
+    return {node.op_type for node in onnx.load(str(directory / "model.optimized.onnx")).graph.node}

@@ -24,8 +24,8 @@ from model.hf_pretrained import load_pretrained
 from model.mask_kinds import MaskKind
 from model.masks import default_mask_inputs
 from tests import dense_parity
-from tests.dense_parity import (CONVERTED_GRAPHS, EXACT_GRAPHS, exported, graph_hidden, max_error, min_token_cosine,
-                                 ours_hidden, transformers_hidden)
+from tests.dense_parity import (assert_every_graph_matches, exported, max_error, optimized_ops, ours_hidden,
+                                 transformers_hidden)
 from tests.hf_references import WORDS, word_tokenizer
 
 ATOL = 1e-4  # hidden states at real positions, max abs
@@ -108,10 +108,7 @@ def test_the_memory_budget_counts_the_position_terms_beside_the_scores(deberta):
 def test_the_optimizer_leaves_the_disentangled_attention_unfused(deberta):
     """optimize.fuse_attention's pattern (scores = MatMul · scale straight into the masked softmax) does not match
     scores with the position terms added, so contrib Attention, which would drop them, is never written."""
-    import onnx
-
-    _, _, _, directory = deberta
-    ops = {node.op_type for node in onnx.load(str(directory / "model.optimized.onnx")).graph.node}
+    ops = optimized_ops(deberta[3])
     assert "Softmax" in ops and "Attention" not in ops
 
 
@@ -121,16 +118,8 @@ def test_the_optimizer_leaves_the_disentangled_attention_unfused(deberta):
                                           ([13, 1, 40], False), ([300, 57, 0, 129], False),
                                           ([13, 1, 40], True)], ids=str)
 def test_hidden_states_match_transformers_on_every_graph(deberta, lengths, left):
-    reference, loaded, sessions, _ = deberta
     ids, mask = batch(lengths, seed=len(lengths), left=left)
-    expected = transformers_hidden(reference, ids, mask)
-    assert max_error(ours_hidden(loaded.encoder, ids, mask), expected, mask) <= ATOL
-    for name in EXACT_GRAPHS:
-        error = max_error(graph_hidden(sessions[name], ids, mask), expected, mask)
-        assert error <= ATOL, f"{name}: {error}"
-    for name, limit in CONVERTED_GRAPHS.items():
-        cosine = min_token_cosine(graph_hidden(sessions[name], ids, mask), expected, mask)
-        assert cosine >= limit, f"{name}: {cosine}"
+    assert_every_graph_matches(deberta, ids, mask, ATOL)
 
 
 @pytest.mark.parametrize("changes", [

@@ -20,8 +20,8 @@ from model.encoder import Encoder
 from model.hf_pretrained import load_pretrained
 from model.masks import default_mask_inputs
 from tests import dense_parity
-from tests.dense_parity import (CONVERTED_GRAPHS, EXACT_GRAPHS, exported, graph_hidden, max_error, min_token_cosine,
-                                 ours_hidden, transformers_hidden)
+from tests.dense_parity import (assert_every_graph_matches, exported, max_error, optimized_ops, ours_hidden,
+                                 transformers_hidden)
 from tests.hf_references import WORDS, cosines, export_and_serve, openai_embeddings, word_tokenizer
 
 ATOL = 1e-4  # hidden states at real positions, max abs
@@ -82,10 +82,7 @@ def test_the_export_has_no_long_input_graph_and_serves_dense(mpnet):
 def test_the_optimizer_leaves_the_biased_attention_unfused(mpnet):
     """optimize.fuse_attention's pattern (scores = MatMul · scale straight into the masked softmax) does not
     match scores with the bias added, so contrib Attention, which would drop it, is never written."""
-    import onnx
-
-    _, _, _, directory = mpnet
-    ops = {node.op_type for node in onnx.load(str(directory / "model.optimized.onnx")).graph.node}
+    ops = optimized_ops(mpnet[3])
     assert "Softmax" in ops and "Attention" not in ops
 
 
@@ -95,16 +92,8 @@ def test_the_optimizer_leaves_the_biased_attention_unfused(mpnet):
                                           ([13, 1, 40], False), ([200, 57, 0, 129], False),
                                           ([13, 1, 40], True)], ids=str)
 def test_hidden_states_match_transformers_on_every_graph(mpnet, lengths, left):
-    reference, loaded, sessions, _ = mpnet
     ids, mask = batch(lengths, seed=len(lengths), left=left)
-    expected = transformers_hidden(reference, ids, mask)
-    assert max_error(ours_hidden(loaded.encoder, ids, mask), expected, mask) <= ATOL
-    for name in EXACT_GRAPHS:
-        error = max_error(graph_hidden(sessions[name], ids, mask), expected, mask)
-        assert error <= ATOL, f"{name}: {error}"
-    for name, limit in CONVERTED_GRAPHS.items():
-        cosine = min_token_cosine(graph_hidden(sessions[name], ids, mask), expected, mask)
-        assert cosine >= limit, f"{name}: {cosine}"
+    assert_every_graph_matches(mpnet, ids, mask, ATOL)
 
 
 def test_without_its_relative_bias_mpnet_would_not_match(mpnet):
