@@ -4,7 +4,7 @@ first use and reused after. No torch here: the server reads it, and runs the exp
   key(directory, options)             the cache key: sha256 over the checkpoint's file hashes (a hub snapshot's
                                       blob names are its hashes; other files are hashed), the export format
                                       (model/export_format.py FORMAT) and the exporter's options
-  ExportCache(root).get(...)          the entry's export directory, exported first when it is not there
+  ExportCache(root).get(files, ...)   the entry's export directory, exported first when it is not there
 
 An entry is `ROOT/<key>/` holding `model/` (the export) and `source.json` (what it was made from). It appears
 whole or not at all: the exporter writes into a hidden scratch folder that is renamed to the entry once the
@@ -80,18 +80,16 @@ class ExportCache:
             return entry / ENTRY_EXPORT
         return None
 
-    def lookup(self, directory: Path, options: Sequence[str]) -> tuple[str, Path | None]:
-        """(key, the export directory when the entry is there, else None)."""
-        entry_key = key(checkpoint_files(directory), options)
-        return entry_key, self._complete(entry_key)
+    def lookup(self, files: dict[str, str], options: Sequence[str]) -> Path | None:
+        """The export directory of the entry for these checkpoint files and options when it is there, else None."""
+        return self._complete(key(files, options))
 
-    def get(self, directory: Path, options: Sequence[str], source: dict,
+    def get(self, files: dict[str, str], options: Sequence[str], source: dict,
             export: Callable[[Path, str], None]) -> tuple[Path, bool]:
-        """(the export directory of `directory` exported with `options`, whether this call exported it).
-        `export(out_dir, name)` writes the export as out_dir/name (the exporter's --out-dir and --name) and
-        raises when it fails: nothing of it is then left. `source` (the id, revision, commit) goes to
-        source.json."""
-        files = checkpoint_files(directory)
+        """(the export directory of the checkpoint with `files` (checkpoint_files) exported with `options`, whether
+        this call exported it). `export(out_dir, name)` writes the export as out_dir/name (the exporter's --out-dir
+        and --name) and raises when it fails: nothing of it is then left. `source` (the id, revision, commit) goes
+        to source.json."""
         entry_key = key(files, options)
         found = self._complete(entry_key)
         if found is not None:

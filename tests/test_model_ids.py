@@ -261,12 +261,12 @@ def test_the_model_flag_repeats(tmp_path):
 
 
 def test_an_interrupted_export_leaves_no_entry_and_the_next_start_exports(tmp_path):
-    from model.export_cache import ExportCache
+    from model.export_cache import ExportCache, checkpoint_files
 
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
-    cache = ExportCache(tmp_path / "cache")
+    cache, files = ExportCache(tmp_path / "cache"), checkpoint_files(checkpoint)
 
     def broken(out_dir, name):
         (out_dir / name).mkdir()
@@ -274,14 +274,14 @@ def test_an_interrupted_export_leaves_no_entry_and_the_next_start_exports(tmp_pa
         raise KeyboardInterrupt  # the exporter stopped half-way
 
     with pytest.raises(KeyboardInterrupt):
-        cache.get(checkpoint, ["--graphs", "fp32"], {}, broken)
+        cache.get(files, ["--graphs", "fp32"], {}, broken)
     assert list(cache.root.glob("*/model")) == [] and list(cache.root.glob(".*")) == []
 
     def whole(out_dir, name):
         (out_dir / name).mkdir()
         (out_dir / name / "metadata.json").write_text("{}")
 
-    export, exported = cache.get(checkpoint, ["--graphs", "fp32"], {}, whole)
+    export, exported = cache.get(files, ["--graphs", "fp32"], {}, whole)
     assert exported and (export / "metadata.json").is_file()
 
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from model.export_cache import ExportCache, default_root
+from model.export_cache import ExportCache, checkpoint_files, default_root
 from model.export_format import METADATA_FILE, ExportError, read_metadata
 from model.hub import HubError, ModelSpec, Resolved, parse_spec, resolve
 from serve import logs
@@ -101,13 +101,13 @@ def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: 
         return resolved.directory, False
     what = f"{spec.name} ({spec.source}{'@' + spec.revision if spec.revision else ''})"
     source = {"source": spec.source, "revision": spec.revision, "commit": resolved.commit}
-    _, found = cache.lookup(resolved.directory, options)
-    if found is None and importlib.util.find_spec("torch") is None:
+    files = checkpoint_files(resolved.directory)  # hashed once: a directory's weights are read whole
+    if cache.lookup(files, options) is None and importlib.util.find_spec("torch") is None:
         raise ModelSourceError(
             f"model {what} is not in the export cache {cache.root} and this installation cannot export (no torch: "
             "the export extra); fill the cache where it is installed (the export image or `pip install "
             f"'.[export]'`): python -m serve --prepare-only true --model {spec.source} --export-cache {cache.root}")
-    return cache.get(resolved.directory, options, source,
+    return cache.get(files, options, source,
                      lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
 
 
