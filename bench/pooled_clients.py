@@ -1,6 +1,7 @@
 """The server as users call it over HTTP: pooled keep-alive clients, idle between calls.
 
-    python -m bench.pooled_clients EXPORT_DIR [--serve-from CHECKOUT ...] [--rounds 3] [--calls 200] [--json FILE]
+    python -m bench.pooled_clients EXPORT_DIR [--serve-from CHECKOUT ...] [--with-flags "FLAGS" ...] [--rounds 3]
+                                   [--calls 200] [--json FILE]
 
 Benchmarks that send back to back on raw sockets (compare.sh, infinity_http) never show what a user's client
 meets: a pooled keep-alive connection that sat idle between calls, a body sent whole by a client library,
@@ -13,9 +14,9 @@ the library's own cost. Here the clients are the ones users run: the `openai` pa
   concurrent  8 threads, a client each (the same three kinds, round robin), back to back for `--seconds`
               (harness.closed_loop): requests/s, p50 / p99
 
-Each checkout given with `--serve-from` (default: this one) is measured in every round, in alternating order,
-on one export (a text export, e.g. `python -m export --minilm`); the table gives each figure's median over the
-rounds with its spread, and the ratio of each checkout to the first. Traffic goes to 127.0.0.1 only and is
+Each target (a checkout given with `--serve-from`, default this one; and this checkout with the server flags of
+each `--with-flags`) is measured in every round, in alternating order, on one export (a text export, e.g. `python -m export --minilm`); the table gives each figure's median over the
+rounds with its spread, and the ratio of each target to the first. Traffic goes to 127.0.0.1 only and is
 bounded in time; nothing here asserts a timing.
 """
 
@@ -100,9 +101,9 @@ def concurrent_phase(port: int, model: str, seconds: float, seed: int) -> dict:
             **percentiles(load.latencies_ms, (50, 99))}
 
 
-def measure(export: Path, checkout: Path, calls: int, seconds: float, seed: int) -> dict:
+def measure(export: Path, checkout: Path, flags: list[str], calls: int, seconds: float, seed: int) -> dict:
     model = json.loads((export / "metadata.json").read_text())["name"]
-    with running_server(export, ["--http-port", "0"], serve_from=checkout) as server:
+    with running_server(export, ["--http-port", "0", *flags], serve_from=checkout) as server:
         return {"idle": idle_phase(server.http_port, model, calls, seed),
                 "concurrent": concurrent_phase(server.http_port, model, seconds, seed)}
 
@@ -116,10 +117,10 @@ def figures(result: dict) -> dict[str, float]:
 
 
 def table(checkouts: list[str], rounds: list[dict]) -> str:
-    """Median over the rounds [min-max] per figure and checkout, and each checkout's median over the first's."""
+    """Median over the rounds [min-max] per figure and target, and each target's median over the first's."""
     per = {c: [figures(r[c]) for r in rounds] for c in checkouts}
     keys = list(per[checkouts[0]][0])
-    lines = [f"{'figure':28s}" + "".join(f"{Path(c).name:>28s}" for c in checkouts)
+    lines = [f"{'figure':28s}" + "".join(f"{c[-27:]:>28s}" for c in checkouts)
              + ("   ratio to first" if len(checkouts) > 1 else "")]
     for key in keys:
         medians, cells = [], []
@@ -138,20 +139,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-from", action="append", default=[],
                         help="a checkout whose server code runs (repeatable; default: this one); the first is the "
                              "baseline of the ratios")
+    parser.add_argument("--with-flags", action="append", default=[],
+                        help="a target more: this checkout's server with these flags (repeatable), e.g. "
+                             "'--intra-op-spin never'")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=200, help="calls per client kind in the idle phase")
     parser.add_argument("--seconds", type=float, default=10.0, help="the concurrent phase's window")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    checkouts = [str(Path(c).resolve()) for c in args.serve_from] or [str(REPO)]
+    targets = {Path(c).resolve().name: (Path(c).resolve(), []) for c in args.serve_from or [str(REPO)]}
+    targets.update({f"{REPO.name} {flags}": (REPO, flags.split()) for flags in args.with_flags})
+    checkouts = list(targets)  # labels, in the order given
     rounds = []
     for index in range(args.rounds):
         order = checkouts if index % 2 == 0 else checkouts[::-1]
-        rounds.append({c: measure(args.export, Path(c), args.calls, args.seconds, seed=index) for c in order})
+        rounds.append({c: measure(args.export, targets[c][0], targets[c][1], args.calls, args.seconds, seed=index)
+                       for c in order})
         print(f"round {index + 1}/{args.rounds} done", flush=True)
     print(table(checkouts, rounds))
     if args.json:
-        Path(args.json).write_text(json.dumps({"checkouts": checkouts, "rounds": rounds, "gap_s": GAP_S,
+        Path(args.json).write_text(json.dumps({"targets": {c: [str(t[0]), t[1]] for c, t in targets.items()},
+                                               "rounds": rounds, "gap_s": GAP_S,
                                                "concurrent_clients": CONCURRENT_CLIENTS}, indent=2))
     return 0
 

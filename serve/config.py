@@ -81,11 +81,12 @@ class ServerConfig:
     front_end_index: int = 0
     ipc_dir: str = ""
     intra_op_threads: int = 0  # 0: the CPUs this process may run on (sched_getaffinity) / instances
-    # How ONNX Runtime's intra-op threads wait for their next piece of work (SPIN_POLICIES): "run" (ours)
-    # spin within a run, where its many small operators follow each other, and sleep once it returns; "always"
-    # (ONNX Runtime's own default) spin between runs too, taking CPU from the request path and other runs;
-    # "never" always sleep (each operator then wakes them). Measured: docs/performance.md "The request path".
-    intra_op_spin: str = "run"
+    # How ONNX Runtime's intra-op threads wait for their next piece of work (SPIN_POLICIES): "never" always
+    # sleep (each operator wakes them); "run" spin within a run and sleep once it returns; "always" (ONNX
+    # Runtime's own default) spin between runs too, taking CPU from the request path and other runs.
+    # "never" measured best or equal on every load here (docs/performance.md "Pooled clients and the spin
+    # policy"): idle-then-call p50 0.65x run's, 8 pooled HTTP clients 1.22x, the default model 1.17x.
+    intra_op_spin: str = "never"
     # Batches run at once, each by its own batcher thread on the one shared session (ONNX Runtime's
     # Run is thread-safe). 2 x 1 thread on a busy 2-core host wastes less CPU in intra-op hand-offs
     # than 1 x 2 (docs/performance.md, against Triton); a lone request then runs on fewer threads.

@@ -466,6 +466,19 @@ def test_batcher_abandon_covers_every_running_instance():
     batcher.stop(5)
 
 
+@pytest.mark.parametrize("policy, entries", [
+    (None, {"session.intra_op.allow_spinning": "0"}),  # the default: never
+    ("run", {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}),
+    ("always", {"session.intra_op.allow_spinning": "1"})])
+def test_the_spin_policy_reaches_the_session_and_never_is_the_default(serve_export_dir, policy, entries):
+    from serve.backend.session import OnnxRuntimeBackend
+
+    kwargs = {} if policy is None else {"intra_op_spin": policy}
+    options = OnnxRuntimeBackend(load_export(serve_export_dir), **kwargs).session.get_session_options()
+    assert {key: options.get_session_config_entry(key) for key in entries} == entries
+    assert ServerConfig().intra_op_spin == "never"
+
+
 def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir):
     import os
 

@@ -21,6 +21,7 @@ from model.mask_kinds import MaskKind
 from model.signature import input_specs
 from serve import logs
 from serve.backend.feeds import Rows, pad_batch
+from serve.config import ServerConfig
 from serve.errors import BackendError
 from serve.backend.export_dir import ExportDir
 
@@ -105,7 +106,7 @@ def spin_entries(policy: str) -> tuple[tuple[str, str], ...]:
 class OnnxRuntimeBackend:
     def __init__(self, export: ExportDir, *, device: str = "cpu", cuda_device_id: int = 0,
                  intra_op_threads: int = 0, cuda_tf32: bool = False, instances: int = 1,
-                 intra_op_spin: str = "run") -> None:
+                 intra_op_spin: str = ServerConfig.intra_op_spin) -> None:
         import onnxruntime as ort
 
         self.export = export
