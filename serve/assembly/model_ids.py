@@ -36,7 +36,10 @@ from serve.config import ServerConfig
 
 log = logging.getLogger("serve.models")
 
-EXPORT_GRAPHS = "fp32,optimized,long"  # the exporter's default; fp16 added where the server may run on CUDA
+# the exporter's default graphs. Not fp16 by default, even for CUDA: the exporter refuses it for rotary models
+# (Qwen, Llama, ModernBERT, ...), and a model id does not say its family before it is exported; `--graph auto`
+# serves fp32 / optimized on CUDA then. --export-graphs fp32,optimized,long,fp16 asks for it.
+EXPORT_GRAPHS = "fp32,optimized,long"
 
 
 class ModelSourceError(ValueError):
@@ -64,9 +67,8 @@ def specs_of(config: ServerConfig) -> list[ModelSpec]:
 
 
 def export_options(config: ServerConfig) -> list[str]:
-    """The exporter's options for this server (part of the cache key): fp16 too where it may run on CUDA."""
-    graphs = config.export_graphs or EXPORT_GRAPHS + (",fp16" if config.device in ("cuda", "auto") else "")
-    return ["--graphs", graphs]
+    """The exporter's options for this server (part of the cache key)."""
+    return ["--graphs", config.export_graphs or EXPORT_GRAPHS]
 
 
 def run_exporter(directory: Path, options: list[str], out_dir: Path, name: str, what: str) -> None:
