@@ -33,9 +33,9 @@ def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
         assert load["errors"] == 0
         # the evidence every server test carries (issue 13): rows per session.run, CPU per request split
         assert 1.0 <= load["rows_per_run"] <= (32 if mode == "batching_on" else 1)
-        # (/proc counts CPU in 10 ms ticks: the quick run's tiny model may show 0 on its own side)
+        # (/proc counts CPU in 10 ms ticks: the quick run's few requests on the tiny model, with ONNX Runtime's
+        # threads no longer spinning, may read 0 on both sides; a real run's figures: docs/performance.md)
         assert load["front_cpu_ms_per_request"] >= 0 and load["model_cpu_ms_per_request"] >= 0
-        assert load["front_cpu_ms_per_request"] + load["model_cpu_ms_per_request"] > 0
     assert len(server["memory"]["checkpoints"]) == 2
     for mode in ("split", "one_run"):  # mixed lengths: length-sorted runs vs one padded run per batch
         assert server["mixed_lengths"][mode]["requests"] > 0 and server["mixed_lengths"][mode]["errors"] == 0
