@@ -24,11 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from model.export_format import FORMAT
+from model.export_format import FORMAT, sha256_file
 
 ENTRY_EXPORT = "model"  # the export's folder within an entry
 SOURCE_FILE = "source.json"
-HASH_CHUNK = 1 << 20
 
 
 def default_root() -> Path:
@@ -44,11 +43,7 @@ def file_hash(path: Path) -> str:
         target = Path(os.path.realpath(path))
         if target.parent.name == "blobs":
             return target.name
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 def checkpoint_files(directory: Path) -> dict[str, str]:

@@ -54,8 +54,8 @@ class ServerConfig:
     models_file: str = ""  # the same, one per line (# comments): for compose and k8s
     export_cache: str = ""  # "": $XDG_CACHE_HOME/onnx-encoder/exports, else ~/.cache/onnx-encoder/exports
     prepare_only: bool = False  # resolve and export the models into export_cache, then exit 0 (the warm-up job)
-    # the graphs exported for them (python -m export --graphs; part of the cache key); "": fp32,optimized,long
-    # (add fp16 for CUDA where the model is not rotary: the exporter refuses fp16 for rotary positions)
+    # the graphs exported for them (python -m export --graphs; part of the cache key); "": the exporter's
+    # default (add fp16 for CUDA where the model is not rotary: the exporter refuses fp16 for rotary positions)
     export_graphs: str = ""
     # the model a request that names none runs on when more than one is served ("": only one may be)
     default_model: str = ""

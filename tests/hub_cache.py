@@ -15,13 +15,15 @@ import os
 import shutil
 from pathlib import Path
 
+from model.export_format import sha256_file
+
 
 def add_revision(cache: Path, repo_id: str, checkpoint: Path, ref: str = "main") -> str:
     """The files of directory `checkpoint` as one commit of `repo_id` in `cache`, `ref` pointing to it; returns the
     commit (40 hex digits, derived from the files: the same files give the same commit)."""
     folder = cache / f"models--{repo_id.replace('/', '--')}"
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-    hashes = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    hashes = {p: sha256_file(p) for p in files}
     commit = hashlib.sha1("".join(f"{p.relative_to(checkpoint)}:{h}" for p, h in hashes.items()).encode()).hexdigest()
     for path, digest in hashes.items():
         blob = folder / "blobs" / digest

@@ -36,10 +36,6 @@ from serve.config import ServerConfig
 
 log = logging.getLogger("serve.models")
 
-# the exporter's default graphs. Not fp16 by default, even for CUDA: the exporter refuses it for rotary models
-# (Qwen, Llama, ModernBERT, ...), and a model id does not say its family before it is exported; `--graph auto`
-# serves fp32 / optimized on CUDA then. --export-graphs fp32,optimized,long,fp16 asks for it.
-EXPORT_GRAPHS = "fp32,optimized,long"
 
 
 class ModelSourceError(ValueError):
@@ -67,8 +63,11 @@ def specs_of(config: ServerConfig) -> list[ModelSpec]:
 
 
 def export_options(config: ServerConfig) -> list[str]:
-    """The exporter's options for this server (part of the cache key)."""
-    return ["--graphs", config.export_graphs or EXPORT_GRAPHS]
+    """The exporter's options for this server (part of the cache key): --export-graphs, else none (the
+    exporter's own --graphs default, which has its one home there). Not fp16 by default, even for CUDA: the
+    exporter refuses it for rotary models (Qwen, Llama, ModernBERT, ...) and a model id does not say its family
+    before it is exported; `--graph auto` serves the optimized graph on CUDA then."""
+    return ["--graphs", config.export_graphs] if config.export_graphs else []
 
 
 def run_exporter(directory: Path, options: list[str], out_dir: Path, name: str, what: str) -> None:
