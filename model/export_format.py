@@ -43,6 +43,15 @@ class ExportError(Exception):
     after export, or a bad request to the exporter)."""
 
 
+def repository_folders(root: Path) -> dict[str, Path]:
+    """The model folders of a model repository by name: each subfolder with a metadata.json, sorted (Triton's
+    layout rule: the folder is the model). Hidden folders are skipped: the exporter stages a new export in
+    `.NAME.staging-*` and keeps the one it replaces in `.NAME.old-*` until the swap (export/exporter.py), and
+    neither is a model."""
+    return {p.name: p for p in sorted(root.iterdir())
+            if not p.name.startswith(".") and p.is_dir() and (p / METADATA_FILE).is_file()}
+
+
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()

@@ -9,13 +9,17 @@ from serve.protocols.proto_stamp import GeneratedCodeError
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from serve.assembly.app import serve  # loads the generated protobuf code, which must be current
-    except GeneratedCodeError as error:
-        print(f"python -m serve: {error}", file=sys.stderr)
-        return 2
-    try:
         config = load_config(argv)
     except ValueError as error:
+        print(f"python -m serve: {error}", file=sys.stderr)
+        return 2
+    if config.prepare_only:  # the cache-warming job: needs neither gRPC nor the generated code (the export image)
+        from serve.assembly.model_ids import prepare_only
+
+        return prepare_only(config)
+    try:
+        from serve.assembly.app import serve  # loads the generated protobuf code, which must be current
+    except GeneratedCodeError as error:
         print(f"python -m serve: {error}", file=sys.stderr)
         return 2
     return serve(config)

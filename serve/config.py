@@ -49,7 +49,7 @@ class ServerConfig:
     # Models by id (serve/assembly/model_ids.py, docs/serving.md "Models by id"): [NAME=]ORG/NAME[@REVISION] or a
     # checkpoint / export directory; repeatable (comma-joined here and in ENCODER_MODEL). Resolved by
     # huggingface_hub, exported on first use into export_cache, served as a repository: set, they replace
-    # export_dir and exclude model_repository
+    # export_dir, and model_repository's folders are served beside them
     model: str = ""
     models_file: str = ""  # the same, one per line (# comments): for compose and k8s
     export_cache: str = ""  # "": $XDG_CACHE_HOME/onnx-encoder/exports, else ~/.cache/onnx-encoder/exports
@@ -185,8 +185,6 @@ class ServerConfig:
             raise ValueError(f"instances must be >= 0 (0: one per model), got {self.instances}")
         if self.memory_budget_mb < 0:
             raise ValueError(f"memory_budget_mb must be >= 0 (0: a share of memory), got {self.memory_budget_mb}")
-        if (self.model or self.models_file) and self.model_repository:
-            raise ValueError("model / models_file and model_repository both name the models; pass one")
         if self.prepare_only and not (self.model or self.models_file):
             raise ValueError("prepare_only exports the models of model / models_file: name at least one")
         if self.max_request_tokens < 0:

@@ -92,18 +92,25 @@ def _export_entrypoint() -> list[str]:
     return [str(REPO / copies[word]) if word in copies else word for word in json.loads(entrypoint)]
 
 
-def _exports_written(tmp_path: Path, args: Sequence[str] = ()) -> list[argparse.Namespace]:
-    """What the export image does with `args` after its ENTRYPOINT: the exporter's parsed arguments of
-    each `python -m export` it runs, in order (a stand-in `python` records them; nothing is exported)."""
-    from export.cli import build_parser as export_parser
-
+def _export_image_runs(tmp_path: Path, args: Sequence[str] = (), env: dict | None = None) -> list[list[str]]:
+    """The `python` command lines the export image's ENTRYPOINT runs with `args` and environment `env`, in order
+    (a stand-in `python` records them; nothing runs)."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir(parents=True)
     (bin_dir / "python").write_text(f"#!{sys.executable}\nimport json, sys\n"
                                     f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     (bin_dir / "python").chmod(0o755)
-    subprocess.run([*_export_entrypoint(), *args], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, check=True, timeout=30)
-    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    subprocess.run([*_export_entrypoint(), *args], env={**(env or {}), "PATH": f"{bin_dir}:/usr/bin:/bin"},
+                   check=True, timeout=30)
+    return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+def _exports_written(tmp_path: Path, args: Sequence[str] = ()) -> list[argparse.Namespace]:
+    """What the export image does with `args` after its ENTRYPOINT: the exporter's parsed arguments of
+    each `python -m export` it runs, in order."""
+    from export.cli import build_parser as export_parser
+
+    runs = _export_image_runs(tmp_path, args)
     assert all(run[:2] == ["-m", "export"] for run in runs), runs
     return [export_parser().parse_args(run[2:]) for run in runs]
 
@@ -364,3 +371,83 @@ def test_kserve_triton_predictor_uses_the_v2_protocol_on_an_onnx_model():
     model = _inference_services()["encoder-triton"]["spec"]["predictor"]["model"]
     assert model["modelFormat"]["name"] == "onnx" and model["protocolVersion"] == "v2"
     assert [port["name"] for port in model["ports"]] == ["h2c"]
+
+
+# -- models by id: deploy/k8s-by-id (a kustomize overlay of deploy/k8s) and KServe's encoder-by-id ----------------
+
+def _export_image_env() -> dict[str, str]:
+    """The ENV of docker/export.Dockerfile, as written there."""
+    text = (REPO / "docker" / "export.Dockerfile").read_text().replace("\\\n", " ")
+    return dict(pair.split("=", 1) for line in text.splitlines() if line.startswith("ENV ") for pair in line.split()[1:])
+
+
+def _container_env(container: dict, config_maps: dict[str, dict]) -> dict[str, str]:
+    """A container's environment: its envFrom ConfigMaps, then its env values (a Secret's value: left out)."""
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]])
+    env.update({item["name"]: item["value"] for item in container.get("env", []) if "value" in item})
+    return env
+
+
+def _check_models_by_id(init: dict, serve: dict, volumes: list[dict], config_maps: dict[str, dict],
+                        tmp_path: Path) -> None:
+    """The init container (the export image) warms the cache with exactly the models the server serves, on the volume
+    the server mounts at the same place, read-write; the server takes them by id and has no repository."""
+    assert _repository_and_tag(init["image"]) == _repository_and_tag(_compose_images()["export"])
+    init_env = _container_env(init, config_maps)
+    (run,) = _export_image_runs(tmp_path, init.get("args", []), init_env)  # the image's own entrypoint, as deployed
+    assert run[:2] == ["-m", "serve"]
+    warm = load_config(run[2:], environ={**_export_image_env(), **init_env})
+    assert warm.prepare_only and warm.model
+    serve_env = _container_env(serve, config_maps)
+    _check_serving_container({**serve, "env": [{"name": k, "value": v} for k, v in serve_env.items()]}, "gpu")
+    served = load_config(serve.get("args", []), environ={**_dockerfile_stage("gpu")["env"], **serve_env})
+    assert (served.model, served.models_file, served.export_graphs) == (warm.model, warm.models_file, warm.export_graphs)
+    assert served.export_cache == warm.export_cache and served.model_repository == ""
+    assert _dockerfile_stage("gpu")["env"]["HF_HOME"] == _export_image_env()["HF_HOME"]  # one Hugging Face cache
+    from serve.assembly.model_ids import specs_of
+
+    assert served.default_model in {spec.name for spec in specs_of(served)}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
+    for container in (init, serve):
+        (mount,) = [m for m in container["volumeMounts"] if served.export_cache.startswith(m["mountPath"] + "/")]
+        assert _export_image_env()["HF_HOME"].startswith(mount["mountPath"] + "/")
+        assert not mount.get("readOnly") and mount["name"] in claims
+    assert len({m["name"] for c in (init, serve) for m in c["volumeMounts"] if m["name"] in claims}) == 1
+
+
+def test_the_export_image_with_model_ids_warms_the_export_cache(tmp_path):
+    (run,) = _export_image_runs(tmp_path, env={"ENCODER_MODEL": "bge=BAAI/bge-base-en-v1.5"})
+    assert run[:2] == ["-m", "serve"]
+    config = load_config(run[2:], environ={**_export_image_env(), "ENCODER_MODEL": "bge=BAAI/bge-base-en-v1.5"})
+    assert config.prepare_only and config.export_cache == _export_image_env()["ENCODER_EXPORT_CACHE"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) not installed")
+def test_the_by_id_overlay_warms_the_cache_in_an_init_container_and_serves_the_ids(tmp_path):
+    rendered = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s-by-id")], capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+    docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
+    assert ("Job", "encoder-export") not in kinds and ("PersistentVolumeClaim", "encoder-exports") not in kinds
+    config_maps = {doc["metadata"]["name"]: doc["data"] for doc in docs if doc["kind"] == "ConfigMap"}
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (init,), (serve,) = pod["initContainers"], pod["containers"]
+    _check_models_by_id(init, serve, pod["volumes"], config_maps, tmp_path)
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {doc["metadata"]["name"] for doc in docs if doc["kind"] == "PersistentVolumeClaim"}
+
+
+def test_kserve_by_id_warms_the_cache_in_an_init_container_and_serves_the_ids(tmp_path):
+    path = DEPLOY / "kserve" / "inferenceservice.yaml"
+    config_maps = {doc["metadata"]["name"]: doc["data"] for doc in _by_kind("ConfigMap", path)}
+    predictor = _inference_services()["encoder-by-id"]["spec"]["predictor"]
+    (init,), (serve,) = predictor["initContainers"], predictor["containers"]
+    assert serve["name"] == "kserve-container" and [port["name"] for port in serve["ports"]] == ["h2c"]
+    _check_models_by_id(init, serve, predictor["volumes"], config_maps, tmp_path)
+    (claim,) = _by_kind("PersistentVolumeClaim", DEPLOY / "k8s-by-id" / "cache-pvc.yaml")
+    assert {v["persistentVolumeClaim"]["claimName"] for v in predictor["volumes"]} == {claim["metadata"]["name"]}

@@ -60,7 +60,16 @@ class Project:
     def down(self) -> None:
         self.run("--profile", "cpu", "--profile", "export", "down", "-v", "--remove-orphans", "-t", "20",
                  check=False)
-        _run([DOCKER, "volume", "rm", "-f", self.volume], check=False)
+        _run([DOCKER, "volume", "rm", "-f", self.volume, f"{self.name}_cache"], check=False)
+
+    def fill_volume(self, volume: str, source: Path, into: str = "") -> None:
+        """Compose's volume `volume` (created as compose names and labels it), with the host folder `source` copied
+        in (under `into`), owned by the image's user: as the export job would leave it."""
+        _run([DOCKER, "volume", "create", "--label", f"com.docker.compose.project={self.name}",
+              "--label", f"com.docker.compose.volume={volume}", f"{self.name}_{volume}"])
+        _run([DOCKER, "run", "--rm", "--user", "0", "--entrypoint", "sh", "-v", f"{self.name}_{volume}:/volume",
+              "-v", f"{source}:/src:ro", "onnx-encoder-serve:cpu", "-c",
+              f"mkdir -p /volume/{into} && cp -a /src/. /volume/{into} && chown -R 10001:10001 /volume"])
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +110,7 @@ def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export
     print(f"serve-cpu image built in {build_s:.0f} s; size {_image_size('onnx-encoder-serve:cpu')}")
 
     # The volume as compose names and labels it, filled from the host export (as the export job would).
-    _run([DOCKER, "volume", "create", "--label", f"com.docker.compose.project={project.name}",
-          "--label", "com.docker.compose.volume=exports", project.volume])
-    _run([DOCKER, "run", "--rm", "--user", "0", "--entrypoint", "sh",
-          "-v", f"{project.volume}:/exports", "-v", f"{serve_export_dir}:/src:ro",
-          "onnx-encoder-serve:cpu", "-c",
-          "cp -r /src /exports/serve-test && chown -R 10001:10001 /exports/serve-test"])
+    project.fill_volume("exports", serve_export_dir, "serve-test")
 
     project.run("--profile", "cpu", "up", "-d", "--no-build", "serve-cpu", timeout=300)
     container = project.run("--profile", "cpu", "ps", "-q", "serve-cpu").stdout.strip()
@@ -172,6 +176,68 @@ def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export
     # both answered on the native transport (built into the image), not the grpcio fallback
     logs = project.run("--profile", "cpu", "logs", "--no-color", "serve-cpu").stdout
     assert "transport=native" in logs, logs[-2000:]
+
+
+MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def id_project(engine):
+    project = Project(engine)
+    project.env.update({"ENCODER_DEFAULT_MODEL": "all-minilm-l6-v2", "MODEL_IDS": MINILM_ID, "HF_HUB_OFFLINE": "1",
+                        "ENCODER_EXPORT_GRAPHS": "fp32"})
+    try:
+        yield project
+    finally:
+        if os.environ.get("SMOKE_KEEP") != "1":
+            project.down()
+
+
+def test_cpu_service_serves_a_model_by_id_from_a_prefilled_cache_volume(id_project, tmp_path):
+    """MODEL_IDS with the cache volume as the export job leaves it: the Hugging Face cache (made here in the hub's own
+    layout, tests/hub_cache.py, offline) and the export cache (filled here by the same `--prepare-only` step the
+    export image runs). The serving image has no torch: it serves the cached export, exporting nothing."""
+    import json
+    import sys
+    import urllib.request
+
+    from model.hf_pretrained import minilm_path
+    from tests.hub_cache import add_revision
+    from tests.subprocess_env import repo_env
+
+    project = id_project
+    project.run("--profile", "cpu", "build", "serve-cpu", timeout=1200)
+    cache = tmp_path / "cache"
+    commit = add_revision(cache / "huggingface" / "hub", MINILM_ID, minilm_path())
+    warmed = subprocess.run([sys.executable, "-m", "serve", "--prepare-only", "true", "--model", MINILM_ID,
+                             "--export-cache", str(cache / "exports"), "--export-graphs", "fp32"], cwd=REPO,
+                            env={**repo_env(), "HF_HUB_CACHE": str(cache / "huggingface" / "hub"),
+                                 "HF_HUB_OFFLINE": "1", "HF_TOKEN": ""},
+                            capture_output=True, text=True, timeout=900)
+    assert warmed.returncode == 0, warmed.stderr[-3000:]
+    project.fill_volume("cache", cache)
+
+    project.run("--profile", "cpu", "up", "-d", "--no-build", "serve-cpu", timeout=300)
+    container = project.run("--profile", "cpu", "ps", "-q", "serve-cpu").stdout.strip()
+    assert container, "serve-cpu container not created"
+    _wait_healthy(project, container)
+    logs = project.run("--profile", "cpu", "logs", "--no-color", "serve-cpu").stdout
+    (source,) = [line for line in logs.splitlines() if "event=model_source" in line]
+    assert "cache=hit" in source and f"commit={commit}" in source, source
+    assert "event=export_started" not in logs
+
+    texts = ["A model served from its id.", "Compose brings it up from the cache volume."]
+    body = json.dumps({"model": "all-minilm-l6-v2", "input": texts}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{project.http_port}/v1/embeddings", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        served = np.array([row["embedding"] for row in json.loads(response.read())["data"]], np.float32)
+    from sentence_transformers import SentenceTransformer
+
+    snapshot = cache / "huggingface" / "hub" / f"models--{MINILM_ID.replace('/', '--')}" / "snapshots" / commit
+    expected = SentenceTransformer(str(snapshot), device="cpu").encode(texts, normalize_embeddings=True)
+    cosine = (served * expected).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= 0.99999, cosine
 
 
 @pytest.mark.skipif(os.environ.get("SMOKE_EXPORT_IMAGE") != "1",

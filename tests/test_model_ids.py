@@ -9,6 +9,7 @@ library's own exception classes raised by a stand-in for snapshot_download, and 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -73,11 +74,11 @@ def _offline(hub) -> dict[str, str]:
     return {"HF_HUB_CACHE": str(hub["cache"]), "HF_HUB_OFFLINE": "1", "HF_TOKEN": ""}
 
 
-def _prepare(hub, export_cache, *models, **popen):
+def _prepare(hub, export_cache, *models, env: dict[str, str] | None = None, **popen):
     """`python -m serve --prepare-only` for `models` (started, not waited for, when popen is given)."""
     command = [sys.executable, "-m", "serve", "--prepare-only", "true", "--export-cache", str(export_cache), *FLAGS,
                *[arg for model in models for arg in ("--model", model)]]
-    env = {**repo_env(), **_offline(hub)}
+    env = {**repo_env(), **_offline(hub), **(env or {})}
     if popen:
         return subprocess.Popen(command, cwd=REPO, env=env, **popen)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -176,6 +177,47 @@ def test_a_second_start_reuses_the_export_cache_without_exporting(served, hub, e
     assert _events(again.stderr, "export_started") == []
     sources = _events(again.stderr, "model_source")
     assert len(sources) == 2 and all("cache=hit" in line for line in sources)
+
+
+def test_the_cache_warming_job_needs_neither_grpc_nor_the_servers_generated_code(served, hub, export_cache,
+                                                                                 tmp_path):
+    """The export image holds the exporter and model/, not gRPC: `--prepare-only` must run there. Stand-in for that
+    image: grpc (which the server and its generated code import) is made unimportable."""
+    blocked = tmp_path / "no-grpc"
+    blocked.mkdir()
+    (blocked / "grpc.py").write_text("raise ImportError('no grpc in the export image')\n")
+    done = _prepare(hub, export_cache, EMBEDDER_ID,
+                    env={"PYTHONPATH": f"{blocked}{os.pathsep}{repo_env()['PYTHONPATH']}"})
+    assert done.returncode == 0, done.stderr
+    assert len(_events(done.stderr, "models_prepared")) == 1
+    # the control: the server itself does need it
+    server = subprocess.run([sys.executable, "-m", "serve", "--export-dir", str(tmp_path / "none")], cwd=REPO,
+                            env={**repo_env(), "PYTHONPATH": f"{blocked}{os.pathsep}{repo_env()['PYTHONPATH']}"},
+                            capture_output=True, text=True, timeout=120)
+    assert server.returncode != 0 and "no grpc in the export image" in server.stderr
+
+
+def test_models_by_id_are_served_beside_the_repositorys_folders(served, hub, export_cache, serve_start,
+                                                                serve_export_dir, tmp_path):
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    os.symlink(serve_export_dir, repository / "serve-test")
+    both = serve_start(REPO, "--model", EMBEDDER_ID, "--model-repository", str(repository), "--export-cache",
+                       str(export_cache), *FLAGS, "--default-model", "serve-test", env=_offline(hub), timeout=600)
+    listed = httpx.get(f"http://127.0.0.1:{both.http_port}/v1/models", timeout=30).json()
+    assert {m["id"] for m in listed["data"]} == {"all-minilm-l6-v2", "serve-test"}
+    assert _events(both.log(), "export_started") == []  # the id's export came from the cache
+
+
+def test_a_name_both_in_the_repository_and_by_id_is_refused(tmp_path):
+    from serve.assembly import model_ids
+    from serve.config import ServerConfig
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "metadata.json").write_text("{}")
+    config = ServerConfig(model="m=org/m", model_repository=str(tmp_path / "repo"))
+    with pytest.raises(model_ids.ModelSourceError, match="model name m is both a folder of model_repository"):
+        model_ids.repository_models(config, model_ids.specs_of(config))
 
 
 def test_a_new_revision_is_exported_anew_into_its_own_entry(served, hub, export_cache):

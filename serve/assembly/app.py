@@ -311,15 +311,11 @@ def serve(config: ServerConfig) -> int:
     if config.model or config.models_file:  # models by id: resolved and exported before anything listens
         from serve.assembly.model_ids import ModelSourceError, prepare
 
-        prepare_only = config.prepare_only
         try:
             config = prepare(config)
         except ModelSourceError as error:
             logs.event(log, "startup_failed", logging.ERROR, error=str(error))
             return 1
-        if prepare_only:
-            logs.event(log, "models_prepared", repository=config.model_repository)
-            return 0
     stop = _StopSignals()
     if config.front_ends:
         from serve.assembly.front_ends import serve_engine

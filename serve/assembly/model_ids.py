@@ -8,10 +8,14 @@ missing, it is exported first by the exporter's own process (`python -m export -
 lines in this server's output), under the cache's lock, so two servers starting at once export once. The
 models are then served as a repository of links (`<cache>/served/<names and entries>/NAME -> entry`).
 
+With --model-repository too, the repository's model folders (as they are at start) are served beside them, in
+the same repository of links: compose and k8s set both, the export volume and MODEL_IDS. A name in both is refused.
+
 All or nothing: a model that cannot be resolved or exported stops the start with one line naming it, the cache
 and what to do (ModelSourceError); no model is served without the others. serve/ never imports torch: a server
 installed without the exporter (no torch) says which job fills the cache (`--prepare-only`, where the export
-extra is installed).
+extra is installed: the export image). `--prepare-only` runs from `python -m serve` before anything of the server
+is imported (serve/__main__.py): this module needs huggingface_hub and model/, not gRPC or the generated code.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from model.export_cache import ExportCache, checkpoint_files, default_root
-from model.export_format import METADATA_FILE, ExportError, read_metadata
+from model.export_format import METADATA_FILE, ExportError, read_metadata, repository_folders
 from model.hub import HubError, ModelSpec, Resolved, parse_spec, resolve
 from serve import logs
 from serve.config import ServerConfig
@@ -106,8 +110,9 @@ def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: 
     if cache.lookup(files, options) is None and importlib.util.find_spec("torch") is None:
         raise ModelSourceError(
             f"model {what} is not in the export cache {cache.root} and this installation cannot export (no torch: "
-            "the export extra); fill the cache where it is installed (the export image or `pip install "
-            f"'.[export]'`): python -m serve --prepare-only true --model {spec.source} --export-cache {cache.root}")
+            "the export extra); fill the cache where it is installed (the export image: `docker compose --profile "
+            "export run --rm export` with the same MODEL_IDS, or `pip install '.[export]'`): python -m serve "
+            f"--prepare-only true --model {spec.source} --export-cache {cache.root}")
     return cache.get(files, options, source,
                      lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
 
@@ -131,16 +136,31 @@ def served_repository(root: Path, exports: dict[str, Path]) -> Path:
     return repository
 
 
+def repository_models(config: ServerConfig, specs: list[ModelSpec]) -> dict[str, Path]:
+    """The model folders of --model-repository, served beside the models by id (none without it)."""
+    if not config.model_repository:
+        return {}
+    root = Path(config.model_repository)
+    if not root.is_dir():
+        raise ModelSourceError(f"model_repository {root}: not a folder")
+    folders = repository_folders(root)
+    clash = sorted(set(folders) & {spec.name for spec in specs})
+    if clash:
+        raise ModelSourceError(f"model name {', '.join(clash)} is both a folder of model_repository {root} and a "
+                               "model by id; name the id apart: NAME=ID")
+    return folders
+
+
 def prepare(config: ServerConfig) -> ServerConfig:
     """The config to serve with: the models of --model / --models-file resolved, exported where needed, and
-    served as a repository (model_repository set; model, models_file and prepare_only cleared: what the
-    front ends read is a repository). Unchanged without them."""
+    served as a repository with the folders of --model-repository, if given (model_repository set to it; model,
+    models_file and prepare_only cleared: what the front ends read is a repository). Unchanged without them."""
     specs = specs_of(config)
     if not specs:
         return config
     cache = ExportCache(Path(config.export_cache) if config.export_cache else default_root())
     options = export_options(config)
-    exports = {}
+    exports = repository_models(config, specs)
     for spec in specs:
         try:
             resolved = resolve(spec.source, spec.revision)
@@ -153,3 +173,16 @@ def prepare(config: ServerConfig) -> ServerConfig:
                    validation=_validation_line(exports[spec.name]))
     repository = served_repository(cache.root, exports)
     return dataclasses.replace(config, model="", models_file="", prepare_only=False, model_repository=str(repository))
+
+
+def prepare_only(config: ServerConfig) -> int:
+    """`python -m serve --prepare-only true`: resolve and export the models into the cache, then exit (0; 1 with
+    one line when a model cannot be)."""
+    logs.setup(config.log_level)
+    try:
+        prepared = prepare(config)
+    except ModelSourceError as error:
+        logs.event(log, "startup_failed", logging.ERROR, error=str(error))
+        return 1
+    logs.event(log, "models_prepared", repository=prepared.model_repository)
+    return 0

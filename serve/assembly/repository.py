@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from model.export_format import METADATA_FILE
+from model.export_format import repository_folders
 from serve import logs
 from serve.assembly.loading import BackendFactory, auto_graphs, build_engine
 from serve.backend.export_dir import load_export
@@ -54,13 +54,10 @@ ONE_EXPORT = "this server serves one export (--export-dir); start it with --mode
 
 
 def scan(root: Path) -> dict[str, Path]:
-    """The model folders of a repository by name: each subfolder with a metadata.json, sorted. Hidden
-    folders are skipped: the exporter stages a new export in `.NAME.staging-*` and keeps the one it
-    replaces in `.NAME.old-*` until the swap (export/exporter.py), and neither is a model."""
+    """The model folders of a repository by name (model/export_format.py `repository_folders`)."""
     if not root.is_dir():
         raise Unavailable(f"--model-repository {root}: not a folder")
-    return {p.name: p for p in sorted(root.iterdir())
-            if not p.name.startswith(".") and p.is_dir() and (p / METADATA_FILE).is_file()}
+    return repository_folders(root)
 
 
 def refused(what: str, error: ServeError) -> ServeError:
