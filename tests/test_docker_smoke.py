@@ -244,6 +244,41 @@ def test_cpu_service_serves_a_model_by_id_from_a_prefilled_cache_volume(id_proje
                     reason="set SMOKE_EXPORT_IMAGE=1 to build the export image (torch CPU wheel from the "
                            "PyTorch CPU index, or TORCH_INDEX= to use docker/wheels/ or /opt/wheels)")
 def test_export_job_writes_the_volume_the_server_reads(project):
+    _build_export_image(project)
+    project.run("--profile", "export", "run", "--rm", "export", "--out-dir", "/exports",
+                "--set", "n_layers=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "d_ff=64",
+                "--name", "smoke-export", timeout=600)
+    listing = _run([DOCKER, "run", "--rm", "--entrypoint", "ls", "-v", f"{project.volume}:/exports:ro",
+                    "onnx-encoder-serve:cpu", "/exports/smoke-export"]).stdout.split()
+    assert {"model.onnx", "metadata.json"} <= set(listing)
+
+
+@pytest.mark.skipif(os.environ.get("SMOKE_EXPORT_IMAGE") != "1",
+                    reason="set SMOKE_EXPORT_IMAGE=1 to build the export image (torch CPU wheel from the "
+                           "PyTorch CPU index, or TORCH_INDEX= to use docker/wheels/ or /opt/wheels)")
+def test_export_job_with_model_ids_fills_the_cache_the_server_serves_from(id_project, tmp_path):
+    """MODEL_IDS: the export job (the export image: torch) fetches (here: offline, from a Hugging Face cache in the
+    hub's layout put in the volume) and exports the id into the cache volume; the CPU server then serves it from
+    there without exporting."""
+    from model.hf_pretrained import minilm_path
+    from tests.hub_cache import add_revision
+
+    project = id_project
+    _build_export_image(project)
+    project.run("--profile", "cpu", "build", "serve-cpu", timeout=1200)
+    hub = tmp_path / "hub"
+    add_revision(hub, MINILM_ID, minilm_path())
+    project.fill_volume("cache", hub, "huggingface/hub")
+    job = project.run("--profile", "export", "run", "--rm", "export", timeout=900)
+    assert "cache=exported" in job.stdout + job.stderr, (job.stdout + job.stderr)[-3000:]
+    project.run("--profile", "cpu", "up", "-d", "--no-build", "serve-cpu", timeout=300)
+    container = project.run("--profile", "cpu", "ps", "-q", "serve-cpu").stdout.strip()
+    _wait_healthy(project, container)
+    logs = project.run("--profile", "cpu", "logs", "--no-color", "serve-cpu").stdout
+    assert "cache=hit" in logs and "event=export_started" not in logs, logs[-3000:]
+
+
+def _build_export_image(project: Project) -> None:
     env = {} if os.environ.get("TORCH_INDEX") is None else {"TORCH_INDEX": os.environ["TORCH_INDEX"]}
     project.env.update(env)
     # A machine without the PyTorch CPU index but with the wheel on disk (this one: /opt/wheels) lends
@@ -260,9 +295,3 @@ def test_export_job_writes_the_volume_the_server_reads(project):
         for target in lent:
             target.unlink()
     print(f"export image size {_image_size('onnx-encoder-export:latest')}")
-    project.run("--profile", "export", "run", "--rm", "export", "--out-dir", "/exports",
-                "--set", "n_layers=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "d_ff=64",
-                "--name", "smoke-export", timeout=600)
-    listing = _run([DOCKER, "run", "--rm", "--entrypoint", "ls", "-v", f"{project.volume}:/exports:ro",
-                    "onnx-encoder-serve:cpu", "/exports/smoke-export"]).stdout.split()
-    assert {"model.onnx", "metadata.json"} <= set(listing)

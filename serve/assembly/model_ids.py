@@ -100,10 +100,11 @@ def _validation_line(export_dir: Path) -> str:
     return "; ".join(f"{name} {entry.proof_line()}" for name, entry in graphs.items())
 
 
-def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: list[str]) -> tuple[Path, bool]:
-    """(the export to serve for a resolved model, whether this start exported it)."""
+def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: list[str]) -> tuple[Path, str]:
+    """(the export to serve for a resolved model, where it came from: "given" (the source is an export), "hit" (the
+    export cache had it) or "exported" (by this start))."""
     if (resolved.directory / METADATA_FILE).is_file():  # already an export: served as it is
-        return resolved.directory, False
+        return resolved.directory, "given"
     what = f"{spec.name} ({spec.source}{'@' + spec.revision if spec.revision else ''})"
     source = {"source": spec.source, "revision": spec.revision, "commit": resolved.commit}
     files = checkpoint_files(resolved.directory)  # hashed once: a directory's weights are read whole
@@ -113,8 +114,9 @@ def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: 
             "the export extra); fill the cache where it is installed (the export image: `docker compose --profile "
             "export run --rm export` with the same MODEL_IDS, or `pip install '.[export]'`): python -m serve "
             f"--prepare-only true --model {spec.source} --export-cache {cache.root}")
-    return cache.get(files, options, source,
-                     lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
+    export, exported = cache.get(files, options, source,
+                                 lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
+    return export, "exported" if exported else "hit"
 
 
 def served_repository(root: Path, exports: dict[str, Path]) -> Path:
@@ -166,8 +168,7 @@ def prepare(config: ServerConfig) -> ServerConfig:
             resolved = resolve(spec.source, spec.revision)
         except HubError as error:
             raise ModelSourceError(str(error)) from None
-        exports[spec.name], exported = export_of(spec, resolved, cache, options)
-        cached = "given" if exports[spec.name] == resolved.directory else "exported" if exported else "hit"
+        exports[spec.name], cached = export_of(spec, resolved, cache, options)
         logs.event(log, "model_source", model=spec.name, source=spec.source, revision=spec.revision or "",
                    commit=resolved.commit or "", export=str(exports[spec.name]), cache=cached,
                    validation=_validation_line(exports[spec.name]))
