@@ -40,8 +40,6 @@ TENSOR_ENCODINGS = ("float", "int8", "uint8", "binary", "ubinary")  # what a ten
 QUANTIZED = ("int8", "uint8", "binary", "ubinary")
 SCALAR = ("int8", "uint8")  # the ones that need RANGE, and so normalised embeddings
 RANGE = (-1.0, 1.0)  # int8 / uint8: the fixed range of every dimension (module docstring)
-DTYPES = {"float": np.dtype("<f4"), "base64": np.dtype("<f4"), "int8": np.dtype("i1"), "uint8": np.dtype("u1"),
-          "binary": np.dtype("i1"), "ubinary": np.dtype("u1")}
 
 
 def names(asked, field: str, allowed: tuple[str, ...] = ENCODINGS) -> tuple[str, ...]:
