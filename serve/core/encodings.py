@@ -42,12 +42,14 @@ SCALAR = ("int8", "uint8")  # the ones that need RANGE, and so normalised embedd
 RANGE = (-1.0, 1.0)  # int8 / uint8: the fixed range of every dimension (module docstring)
 
 
-def names(asked, field: str, allowed: tuple[str, ...] = ENCODINGS) -> tuple[str, ...]:
-    """The encodings `asked` (one name or a list of them) as a tuple, each once in the order asked;
-    ValidationError naming `field` (`field[i]` for a list) and the names that fit."""
-    items = [asked] if isinstance(asked, str) else asked
+def names(asked, field: str, allowed: tuple[str, ...] = ENCODINGS, *, listed: bool = False) -> tuple[str, ...]:
+    """The encodings `asked` (one name, or a list of them; `listed`: a list only) as a tuple, each once in the
+    order asked; ValidationError naming `field` (`field[i]` for a list) and the names that fit."""
+    items = [asked] if isinstance(asked, str) and not listed else asked
     if not isinstance(items, list) or not items:
-        raise ValidationError(f"{field}: expected one of {', '.join(allowed)} or a non-empty list of them, "
+        what = f"a non-empty list of {', '.join(allowed)}" if listed else \
+            f"one of {', '.join(allowed)} or a non-empty list of them"
+        raise ValidationError(f"{field}: expected {what}, "
                               f"got {quote(asked) if not isinstance(asked, list) else 'an empty list'}")
     out: list[str] = []
     for i, name in enumerate(items):

@@ -79,7 +79,7 @@ def embed_task(body: dict, engine) -> tuple[embed.EmbedTask, tuple[str, ...], bo
     if truncate.upper() not in TRUNCATE:
         raise ValidationError(f"truncate: {quote(truncate)} is not one of {', '.join(TRUNCATE)}")
     by_type = body.get("embedding_types") is not None
-    types = encodings.names(body["embedding_types"], "embedding_types") if by_type else ("float",)
+    types = encodings.names(body["embedding_types"], "embedding_types", listed=True) if by_type else ("float",)
     options = TRUNCATE[truncate.upper()]
     task = embed.EmbedTask(
         Inputs(fields.texts(texts, "texts"), text=TextOptions(options.truncate, options.direction,
