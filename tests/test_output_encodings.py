@@ -34,7 +34,7 @@ def _ranges(dimensions: int) -> np.ndarray:
 
 
 def _quantized(floats, precision: str) -> np.ndarray:
-    from sentence_transformers.quantization import quantize_embeddings
+    from sentence_transformers.util.quantization import quantize_embeddings
 
     floats = np.asarray(floats, np.float32)
     return quantize_embeddings(floats, precision, ranges=_ranges(floats.shape[-1]))
