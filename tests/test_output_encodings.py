@@ -200,6 +200,17 @@ def test_grpc_encode_answers_typed_tensors(stub, precision, dtype, width):
         np.testing.assert_array_equal(to_numpy(result.embedding, "embedding", answer=True), row)
 
 
+def test_grpc_encode_stream_answers_typed_tensors(stub):
+    from serve.protocols.tensors import to_numpy
+
+    requests = [pb.EncodeRequest(model="embedder", texts=TEXTS),
+                pb.EncodeRequest(model="embedder", texts=TEXTS, output=pb.OutputOptions(
+                    encoding=pb.EMBEDDING_ENCODING_UBINARY))]
+    floats, packed = (item.response for item in stub.EncodeStream(iter(requests)))
+    want = _quantized(np.stack([to_numpy(r.embedding, "e") for r in floats.results]), "ubinary")
+    np.testing.assert_array_equal(np.stack([to_numpy(r.embedding, "e", answer=True) for r in packed.results]), want)
+
+
 # -- KServe v2: typed outputs ---------------------------------------------------------------------------------
 
 def _v2_texts(module):
