@@ -104,7 +104,8 @@ def build_request(
 
 
 def parse_response(response: "pb.EncodeResponse") -> EncodeOutput:
-    embeddings = [to_numpy(r.embedding, "embedding") for r in response.results if r.HasField("embedding")]
+    embeddings = [to_numpy(r.embedding, "embedding", answer=True) for r in response.results
+                  if r.HasField("embedding")]
     hidden = [to_numpy(r.hidden_states, "hidden_states") for r in response.results if r.HasField("hidden_states")]
     return EncodeOutput(
         request_id=response.request_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
@@ -102,6 +103,9 @@ class EncodeResult:
     # a model with a head (serve/core/tasks/): its raw output per sequence, float32 [B, labels] logits
     # or [B, vocab] sparse weights
     scores: np.ndarray | None = None
+    # the pooled embeddings in the output encodings a request asked for (serve/core/encodings.py), by name:
+    # int8 / uint8 [B, D], binary / ubinary [B, ceil(D / 8)], float / base64 the float32 [B, D] embeddings
+    encoded: Mapping[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         for rows in (self.embeddings, self.scores, self.hidden_states):

@@ -1,5 +1,19 @@
-"""Cohere's rerank API (v1 and v2: the `cohere` client's rerank), which Jina's rerank shares, in the shapes
-their clients send and read:
+"""Cohere's embed and rerank APIs (v1 and v2: the `cohere` client's embed and rerank; Jina's rerank shares
+Cohere's), in the shapes their clients send and read:
+
+  POST /v2/embed, /v1/embed
+        {model, texts: [str], input_type (search_document | search_query | classification | clustering),
+         embedding_types ([float | int8 | uint8 | binary | ubinary | base64], default [float]),
+         truncate (NONE | START | END, default END), output_dimension}
+        -> {id, embeddings: {<type>: [one per text]}, texts, meta: {api_version: {version},
+            billed_units: {input_tokens}}, response_type: "embeddings_by_type"}
+        (v1 without embedding_types: embeddings: [[float]], response_type: "embeddings_floats")
+
+`input_type` picks the model's prompt of that purpose (its sentence-transformers prompts: `INPUT_TYPES`, by
+name, any case), else the model's default prompt. The encodings are serve/core/encodings.py's (int8 and
+uint8 on the fixed range [-1, 1]: the model's embeddings must be normalised); base64 is the float32
+little-endian bytes. `images`, `inputs` (mixed content) and `max_tokens` are not served: refused naming them.
+The rules are the embed verb's (serve/core/tasks/embed.py).
 
   POST /v1/rerank, /v2/rerank
         {model, query, documents: [str | {text}], top_n, return_documents=false, truncate=true,
@@ -19,16 +33,87 @@ import uuid
 
 import orjson
 
-from serve.core.tasks import rerank
-from serve.core.tasks.inputs import TextOptions, direction
+from serve.core import encodings
+from serve.core.tasks import embed, rerank
+from serve.core.tasks.inputs import Inputs, TextOptions, direction
+from serve.errors import Unsupported, ValidationError, quote
 from serve.protocols import fields
 from serve.protocols.edge import Api, start_task
 from serve.protocols.routing import Family, HttpCall, Route
 
 
+# input_type -> the prompt names (any case) that serve it, the first the model has
+INPUT_TYPES = {"search_document": ("document", "passage", "corpus"), "search_query": ("query",),
+               "classification": ("classification",), "clustering": ("clustering",)}
+TRUNCATE = {"NONE": TextOptions(truncate=False), "START": TextOptions(truncate=True, direction="left"),
+            "END": TextOptions(truncate=True, direction="right")}  # Cohere's default: END
+
+
 def error_body(status: int, message: str) -> bytes:
     """Cohere's error object, {"message": ...}."""
     return orjson.dumps({"message": message})
+
+
+def prompt_name(engine, input_type: str | None) -> str | None:
+    """The model's prompt for Cohere's `input_type` (None: the model's default prompt)."""
+    if input_type is None:
+        return None
+    prompts = {name.lower(): name for name in engine.export.metadata.prompts}
+    return next((prompts[name] for name in INPUT_TYPES[input_type] if name in prompts), None)
+
+
+def embed_task(body: dict, engine) -> tuple[embed.EmbedTask, tuple[str, ...], bool]:
+    """(the embed task, the embedding types, whether the answer is by type) of a Cohere embed body."""
+    for name in ("images", "inputs"):
+        if body.get(name) is not None:
+            raise ValidationError(f"{name}: this server embeds texts; send them in `texts`")
+    if body.get("max_tokens") is not None:
+        raise Unsupported("max_tokens: not served; texts are cut at the model's max_text_tokens (truncate)")
+    texts = body.get("texts")
+    if texts is None or isinstance(texts, str):
+        raise ValidationError(f"texts: expected a list of strings, got {'none' if texts is None else quote(texts)}")
+    input_type = fields.string(body, "input_type")
+    if input_type is not None and input_type not in INPUT_TYPES:
+        raise ValidationError(f"input_type: {quote(input_type)} is not one of {', '.join(INPUT_TYPES)}")
+    truncate = fields.string(body, "truncate", "END")
+    if truncate.upper() not in TRUNCATE:
+        raise ValidationError(f"truncate: {quote(truncate)} is not one of {', '.join(TRUNCATE)}")
+    by_type = body.get("embedding_types") is not None
+    types = encodings.names(body["embedding_types"], "embedding_types", listed=True) if by_type else ("float",)
+    options = TRUNCATE[truncate.upper()]
+    task = embed.EmbedTask(
+        Inputs(fields.texts(texts, "texts"), text=TextOptions(options.truncate, options.direction,
+                                                              prompt_name(engine, input_type))),
+        dimensions=fields.integer(body, "output_dimension", None, "a positive integer"),
+        encodings=types, encoding_field="embedding_types")
+    return task, types, by_type
+
+
+def embed_(api: Api, rpc, call: HttpCall) -> None:
+    """Embeddings of texts, by type: float, int8, uint8, binary, ubinary, base64 (Cohere's shape)."""
+    v2 = rpc.method.startswith("POST /v2")
+    asked = {}
+
+    def submit(engine):
+        asked["task"], asked["types"], by_type = embed_task(call.body, engine)
+        asked["by_type"] = by_type or v2
+        return embed.submit(engine, asked["task"], rpc.deadline)
+
+    def answer(engine, result, _) -> bytes:
+        def rows(name):
+            return encodings.base64_rows(result.encoded[name]) if name == "base64" else result.encoded[name]
+
+        by_type = asked["by_type"]
+        return orjson.dumps({
+            "id": str(uuid.uuid4()),
+            "embeddings": {name: rows(name) for name in asked["types"]} if by_type else result.encoded["float"],
+            "texts": list(asked["task"].inputs.texts),
+            "meta": {"api_version": {"version": "2" if v2 else "1"},
+                     "billed_units": {"input_tokens": int(sum(result.token_counts))}},
+            "response_type": "embeddings_by_type" if by_type else "embeddings_floats"},
+            option=orjson.OPT_SERIALIZE_NUMPY)
+
+    start_task(api, "cohere.Embed", rpc, call.model, "embed", call.verbs, submit, answer)
 
 
 def rerank_task(body: dict, *, objects: bool, truncate: bool = True) -> rerank.RerankTask:
@@ -74,6 +159,8 @@ def rerank_(api: Api, rpc, call: HttpCall) -> None:
 
 
 FAMILY = Family("cohere", error_body, (
+    Route("POST", "/v1/embed", embed_, "embed"),
+    Route("POST", "/v2/embed", embed_, "embed"),
     Route("POST", "/v1/rerank", rerank_, "rerank"),
     Route("POST", "/v2/rerank", rerank_, "rerank"),
 ))

@@ -13,6 +13,7 @@ import time
 from typing import Iterator
 
 from serve.core.admission import Held
+from serve.core.encodings import TENSOR_ENCODINGS
 from serve.core.pooling import POOLINGS
 from serve.core.requests import EncodeResult, mask_choice
 from serve.core.tasks import classify, encode, rerank, sparse, tokens
@@ -26,6 +27,9 @@ from serve.protocols.tensors import from_numpy, to_numpy
 
 # the Pooling enum's values by name (serve/core/pooling.py POOLINGS: the one list of poolings)
 _POOLING = {getattr(pb, f"POOLING_{name.upper()}"): name for name in POOLINGS}
+# the EmbeddingEncoding enum's values by name (serve/core/encodings.py TENSOR_ENCODINGS: the encodings a tensor
+# carries)
+_ENCODING = {getattr(pb, f"EMBEDDING_ENCODING_{name.upper()}"): name for name in TENSOR_ENCODINGS}
 # encoder.v1's methods that run a task verb (serve/core/tasks/): a method that does not fit a model's task
 # is refused naming the task and the methods that fit it
 METHODS = {"Encode": "encode", "Rerank": "rerank", "Classify": "classify", "EmbedSparse": "sparse",
@@ -59,6 +63,10 @@ def encode_task(msg: "pb.EncodeRequest", engine) -> EncodeTask:
     pooling = _POOLING.get(output.pooling)
     if pooling is None and output.pooling != pb.POOLING_DEFAULT:
         raise ValidationError(f"output.pooling: unknown value {output.pooling}")
+    encoding = _ENCODING.get(output.encoding)
+    if encoding is None:
+        raise ValidationError(f"output.encoding: unknown value {output.encoding}; one of "
+                              + ", ".join(f"{pb.EmbeddingEncoding.Name(code)} ({code})" for code in _ENCODING))
     return EncodeTask(
         Inputs(tuple(msg.texts), sequences, text=_text(msg)),
         # no mask set: the model's natural mask (resolved by core/requests.py to_rows)
@@ -70,17 +78,21 @@ def encode_task(msg: "pb.EncodeRequest", engine) -> EncodeTask:
         dimensions=output.dimensions if output.HasField("dimensions") else None,
         chunk=bool(msg.chunk),
         request_id=msg.request_id,
+        encodings=() if encoding == "float" else (encoding,),
+        encoding_field="output.encoding",
     )
 
 
 def response_to_proto(result: EncodeResult, engine, received: float) -> "pb.EncodeResponse":
     results = []
-    for out in result.outputs:
+    # the embeddings in the one encoding asked (serve/core/tasks/encode.py made it), else as they are
+    embeddings = next(iter(result.encoded.values())) if result.encoded else result.embeddings
+    for i, out in enumerate(result.outputs):
         item = pb.SequenceResult()
         if out.hidden_states is not None:
             item.hidden_states.CopyFrom(from_numpy(out.hidden_states))
         if out.embedding is not None:
-            item.embedding.CopyFrom(from_numpy(out.embedding))
+            item.embedding.CopyFrom(from_numpy(embeddings[i]))
         if out.scores is not None:
             item.scores.CopyFrom(from_numpy(out.scores))
         results.append(item)

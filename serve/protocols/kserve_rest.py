@@ -188,7 +188,7 @@ def infer_response(engine, result, requested: list[str], length: int, request_id
     the same output arrays as gRPC's (kserve.output_arrays), never through protobuf bytes."""
     outputs, tail = [], []
     for name, array in kserve.output_arrays(result, requested, length):
-        entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        entry = {"name": name, "datatype": kserve.OUTPUT_DATATYPES[array.dtype.str], "shape": list(array.shape)}
         if binary_outputs is True or name in binary_outputs:
             raw = array.tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}

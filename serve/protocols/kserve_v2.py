@@ -14,11 +14,14 @@ The v2 view of the served export (ModelMetadata says the same):
            texts           BYTES [B]              UTF-8 texts instead of input_ids, for exports with a
                                                   tokenizer (serve/core/text.py, as Encode's `texts`)
   outputs  last_hidden_state  FP32 [B, T, D]      zeros at padded positions
-           embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean)
+           embeddings         FP32 [B, D]         pooled per `pooling` (model default: mean); with parameter
+                                                  encoding: INT8 / UINT8 [B, D] (int8, uint8) or
+                                                  INT8 / UINT8 [B, ceil(D / 8)] (binary, ubinary)
   request parameters (all optional): mask_kind (label or int), window, step, causal,
            pooling ("mean" | "first" | "last" | "none"), normalize, dimensions (Matryoshka: the first N
            values of each embedding), truncate (texts over the tokenizer's max_length are cut instead of
-           refused)
+           refused), encoding ("float" | "int8" | "uint8" | "binary" | "ubinary": the embeddings' output
+           encoding, serve/core/encodings.py)
   With texts, T of last_hidden_state is the longest text's token count.
   response parameters: batch_size (rows in the session.run that computed the request's longest row),
            batch_sequence_length (that run's padded length), execution_provider (as Encode's metadata)
@@ -41,6 +44,7 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
+from serve.core import encodings
 from serve.core.engine import Engine
 from serve.core.pooling import pooling_name, resolve_pooling
 from serve.core.requests import EncodeResult, MaskChoice, mask_choice
@@ -60,6 +64,7 @@ PLATFORM = "onnxruntime_onnx"
 OUTPUTS = ("last_hidden_state", "embeddings")
 # v2 datatype <-> little-endian numpy dtype, and the InferTensorContents field for each.
 DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("bool")}
+OUTPUT_DATATYPES = {"<f4": "FP32", "|i1": "INT8", "|u1": "UINT8"}  # an answer's numpy dtype -> its v2 datatype
 CONTENTS_FIELD = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
                   "BOOL": "bool_contents"}
 LIST_NAMES = 5  # names listed in a message before "and N more"
@@ -307,10 +312,12 @@ def _task(msg, params: dict, engine: Engine, inputs: Inputs, mask: MaskChoice) -
         if "embeddings" not in requested:
             pooling = "none"
     dimensions = params.get("dimensions")
+    encoding, = encodings.names(params.get("encoding") or "float", "parameters.encoding", encodings.TENSOR_ENCODINGS)
     task = EncodeTask(inputs, mask, hidden_states="last_hidden_state" in requested, pooling=pooling,
                       normalize=_flag(params, "normalize") if params.get("normalize") is not None else None,
                       dimensions=None if dimensions is None else _integer(params, "dimensions", 0),
-                      request_id=msg.id)
+                      request_id=msg.id, encodings=() if encoding == "float" else (encoding,),
+                      encoding_field="parameters.encoding")
     return task, requested
 
 
@@ -340,19 +347,21 @@ def _cut_custom(custom: np.ndarray | None, lengths: np.ndarray) -> np.ndarray | 
 
 
 def output_arrays(result: EncodeResult, requested: list[str], length: int) -> list[tuple[str, np.ndarray]]:
-    """The requested v2 outputs as little-endian float32 arrays (gRPC and REST answer from these):
-    last_hidden_state [B, T, D] with zeros at padded positions, embeddings [B, D]. The core's
-    arrays as they are (views of the run's output), padded only when the request's T is wider than
-    its longest row."""
+    """The requested v2 outputs as little-endian arrays (gRPC and REST answer from these, typed by
+    OUTPUT_DATATYPES): last_hidden_state float32 [B, T, D] with zeros at padded positions, embeddings float32
+    [B, D] or in the encoding asked (int8 / uint8). The core's arrays as they are (views of the run's output),
+    padded only when the request's T is wider than its longest row."""
     arrays = []
     for name in requested:
         if name == "last_hidden_state":
             array = result.hidden_states
             if length and array.shape[1] < length:  # every row was padded: the answer keeps the request's T
                 array = np.pad(array, ((0, 0), (0, length - array.shape[1]), (0, 0)))
+        elif name == "embeddings" and result.encoded:  # the one encoding asked (serve/core/tasks/encode.py)
+            array = next(iter(result.encoded.values()))
         else:
             array = result.embeddings if name == "embeddings" else result.scores  # a head's output
-        arrays.append((name, array.astype("<f4", copy=False)))
+        arrays.append((name, array if array.dtype.itemsize == 1 else array.astype("<f4", copy=False)))
     return arrays
 
 
@@ -365,7 +374,7 @@ def response_parameters(result: EncodeResult) -> dict:
 def response_to_v2(result: EncodeResult, requested: list[str], length: int, model_name: str, request_id: str):
     response = M["ModelInferResponse"](model_name=model_name, model_version=MODEL_VERSION, id=request_id)
     for name, array in output_arrays(result, requested, length):
-        response.outputs.add(name=name, datatype="FP32", shape=list(array.shape))
+        response.outputs.add(name=name, datatype=OUTPUT_DATATYPES[array.dtype.str], shape=list(array.shape))
         response.raw_output_contents.append(array.tobytes())
     for key, value in response_parameters(result).items():
         if isinstance(value, str):

@@ -7,7 +7,8 @@ LangChain's and LlamaIndex's OpenAI embedding classes, infinity, TEI and vLLM sp
   request   model            the served model's name (another: 404)
             input            a string, a list of strings (the export's tokenizer: texts), a list of
                              token ids, or a list of token-id lists
-            encoding_format  "float" (default) | "base64" (little-endian float32, as OpenAI's)
+            encoding_format  "float" (default) | "base64" (little-endian float32, as OpenAI's:
+                             serve/core/encodings.py)
             dimensions       Matryoshka: keep the first N values (of d_model, or of the projection's
                              output), re-normalised when normalising
             user             ignored
@@ -23,11 +24,9 @@ path no route has: serve/protocols/routes.py).
 
 from __future__ import annotations
 
-import base64
-
-import numpy as np
 import orjson
 
+from serve.core import encodings
 from serve.core.requests import MaskChoice, mask_choice
 from serve.core.pooling import pooling_name
 from serve.core.tasks import embed
@@ -39,7 +38,7 @@ from serve.protocols.routing import Family, HttpCall, Route
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error"}
-ENCODINGS = ("float", "base64")
+ENCODINGS = ("float", "base64")  # OpenAI's encoding_format (serve/core/encodings.py: the encodings' rules)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -62,9 +61,7 @@ def mask_of(value) -> MaskChoice:
 def embed_task(body: dict) -> tuple[embed.EmbedTask, str]:
     """(the embed task, the encoding format); ValidationError naming the field."""
     texts, sequences = fields.inputs(body, "input")
-    encoding = fields.string(body, "encoding_format", "float")
-    if encoding not in ENCODINGS:
-        raise ValidationError(f"encoding_format: {quote(encoding)} is not \"float\" or \"base64\"")
+    encoding, = encodings.names(fields.string(body, "encoding_format", "float"), "encoding_format", ENCODINGS)
     task = embed.EmbedTask(
         Inputs(texts, sequences, text=TextOptions(truncate=fields.flag(body, "truncate"))),
         pooling=pooling_name(fields.string(body, "pooling", ""), embedding=True),
@@ -75,10 +72,9 @@ def embed_task(body: dict) -> tuple[embed.EmbedTask, str]:
 
 
 def embeddings_json(result, name: str, encoding: str) -> bytes:
-    vectors = np.ascontiguousarray(result.embeddings, "<f4")
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(vector.tobytes()).decode() if encoding == "base64" else vector}
-            for i, vector in enumerate(vectors)]
+    vectors = encodings.encode(result.embeddings, encoding)
+    rows = encodings.base64_rows(vectors) if encoding == "base64" else vectors
+    data = [{"object": "embedding", "index": i, "embedding": vector} for i, vector in enumerate(rows)]
     tokens = int(sum(result.token_counts))
     # orjson writes a float32 array natively, each value in the shortest form that reads back to the
     # same float32 (exact, and about half json's bytes); json.dumps of .tolist() took 13 ms for 32 x 384

@@ -9,14 +9,16 @@ import numpy as np
 from serve.errors import ValidationError
 from serve.protocols.pb import pb
 
-# proto DataType -> little-endian numpy dtype, and back.
+# proto DataType -> little-endian numpy dtype, and back: what a request may send (DTYPES), and what an answer
+# may carry besides (an encoded embedding, serve/core/encodings.py: int8, uint8, binary, ubinary).
 DTYPES: dict[int, np.dtype] = {
     pb.DATA_TYPE_FLOAT32: np.dtype("<f4"),
     pb.DATA_TYPE_INT64: np.dtype("<i8"),
     pb.DATA_TYPE_INT32: np.dtype("<i4"),
     pb.DATA_TYPE_BOOL: np.dtype("bool"),
 }
-_CODES = {dtype.str if dtype.kind != "b" else "|b1": code for code, dtype in DTYPES.items()}
+ANSWER_DTYPES: dict[int, np.dtype] = {**DTYPES, pb.DATA_TYPE_INT8: np.dtype("i1"), pb.DATA_TYPE_UINT8: np.dtype("u1")}
+_CODES = {dtype.str if dtype.kind != "b" else "|b1": code for code, dtype in ANSWER_DTYPES.items()}
 
 
 def dtype_name(code: int) -> str:
@@ -56,10 +58,12 @@ def array_from_bytes(data: bytes, dtype: np.dtype, shape, *, field: str, data_fi
     return array
 
 
-def to_numpy(tensor: "pb.Tensor", field: str, layout: str = "", max_rank: int = 8) -> np.ndarray:
+def to_numpy(tensor: "pb.Tensor", field: str, layout: str = "", max_rank: int = 8, *,
+             answer: bool = False) -> np.ndarray:
     """A read-only view of the tensor's bytes; ValidationError naming `field` when inconsistent or
-    of more than `max_rank` dimensions (`layout`: the shape the field takes, for the message)."""
-    dtype = DTYPES.get(tensor.dtype)
+    of more than `max_rank` dimensions (`layout`: the shape the field takes, for the message). `answer`:
+    a tensor of an answer (a client reading it), which may also be INT8 or UINT8."""
+    dtype = (ANSWER_DTYPES if answer else DTYPES).get(tensor.dtype)
     if dtype is None:
         raise ValidationError(f"{field}.dtype: {dtype_name(tensor.dtype)} is not supported")
     return array_from_bytes(tensor.data, dtype, tensor.shape, field=field, data_field=f"{field}.data",
@@ -77,6 +81,6 @@ def from_numpy(array: np.ndarray) -> "pb.Tensor":
         little = array.dtype.newbyteorder("<")
         code = _CODES.get(little.str)
         if code is None:
-            raise TypeError(f"cannot send dtype {array.dtype}; use float32, int64, int32 or bool")
+            raise TypeError(f"cannot send dtype {array.dtype}; use float32, int64, int32, int8, uint8 or bool")
         array = array.astype(little, copy=False)
     return pb.Tensor(dtype=code, shape=array.shape, data=np.ascontiguousarray(array).tobytes())

@@ -5,8 +5,9 @@ request (the defaults and limits it declares, once), its result, and the verb th
   encode     encode.py    EncodeTask -> Encoded         any: per-token hidden states, pooled embeddings, or
                                                         the head's raw output, under any mask (encoder.v1
                                                         Encode, KServe v2 ModelInfer, TEI /embed_all)
-  embed      embed.py     EmbedTask -> Embeddings       embed: pooled embeddings, Matryoshka `dimensions`
-                                                        (OpenAI /v1/embeddings, TEI /embed)
+  embed      embed.py     EmbedTask -> Embeddings       embed: pooled embeddings, Matryoshka `dimensions`,
+                                                        output encodings (OpenAI /v1/embeddings, TEI /embed,
+                                                        Cohere /v1|v2/embed)
   sparse     sparse.py    SparseTask -> SparseVectors   sparse: SPLADE weights (TEI /embed_sparse, EmbedSparse)
   rerank     rerank.py    RerankTask -> Ranking         rerank: a query against documents (TEI /rerank,
                                                         Cohere/Jina /v1|v2/rerank, infinity /rerank, Rerank)

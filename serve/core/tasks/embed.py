@@ -1,7 +1,8 @@
 """The embed verb: one pooled embedding per input (OpenAI's /v1/embeddings, TEI's /embed), the encode verb
 (encode.py) asked for embeddings only. Its defaults, declared once: the model's pooling (a model whose
 default is none pools by mean: an embedding is what this verb answers), the model's normalisation, no
-Matryoshka cut, the model's natural mask. Its result is the core's EncodeResult, `embeddings` [n, D]
+Matryoshka cut, the model's natural mask, float embeddings only (`encodings`: serve/core/encodings.py, made by
+the encode verb). Its result is the core's EncodeResult, `embeddings` [n, D]
 (D: `dimensions`, else the model's embedding width).
 """
 
@@ -23,9 +24,12 @@ class EmbedTask:
     chunk: bool = False  # texts: a long text as overlapping windows, pooled back into one embedding
     mask: MaskChoice = MaskChoice()
     request_id: str = ""
+    encodings: tuple[str, ...] = ()  # output encodings (serve/core/encodings.py); (): float only
+    encoding_field: str = "encoding"  # what errors name it: the protocol's field
 
 
 def submit(engine, task: EmbedTask, deadline: float | None = None) -> Pending:
     return encode.submit(engine, encode.EncodeTask(task.inputs, task.mask, False, task.pooling, task.normalize,
-                                                   task.dimensions, task.chunk, task.request_id),
+                                                   task.dimensions, task.chunk, task.request_id,
+                                                   task.encodings, task.encoding_field),
                          deadline, embedding=True)
