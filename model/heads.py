@@ -17,6 +17,11 @@ alike in the state dict:
                   The MLM head of BERT / RoBERTa / ModernBERT with sentence-transformers' SpladePooling
                   (max, relu). A row with no valid token gives zeros.
 
+  multivector     token_vectors = normalize(out(hidden)) per token                        # (B, T, vector_dim)
+  (ColBERT)       PyLate's Dense projection (no bias, no activation) then its L2 normalisation; only
+                  head.out. Every position is answered (padding too): which tokens count is the task's
+                  (query expansion, skiplist; model/tasks.py), applied by the server.
+
 Raw logits leave the graph; what turns them into scores (sigmoid, softmax) is metadata.json's "task"
 (model/tasks.py), applied by whoever reads them.
 """
@@ -79,10 +84,23 @@ class SparseHead(_Transform):
         return (weights * valid).amax(dim=1)  # (B, vocab)
 
 
+class MultiVectorHead(nn.Module):
+    """Late interaction (ColBERT): each token's hidden state projected to vector_dim, L2-normalised."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.out = nn.Linear(config.d_model, config.vector_dim, bias=False)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.out(hidden), p=2, dim=-1)  # (B, T, vector_dim)
+
+
 def build_head(config: EncoderConfig) -> nn.Module | None:
     """The head config.head names, or None for a headless encoder."""
     if config.head == "classification":
         return ClassificationHead(config)
     if config.head == "sparse":
         return SparseHead(config)
+    if config.head == "multivector":
+        return MultiVectorHead(config)
     return None
