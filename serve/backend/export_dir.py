@@ -68,14 +68,28 @@ class ExportDir:
 
     @functools.cached_property
     def task(self) -> str:
-        """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse."""
+        """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse, multivector."""
         return str(self.metadata.task.get("kind", "embed"))
 
     @functools.cached_property
     def row_output(self) -> str:
         """The graph output the server reads per row beside the hidden states: the head's (metadata.json
-        "task" output), else the mean-pooled embedding."""
+        "task" output), else the mean-pooled embedding (a multivector model's head output is per token: it is
+        read as the hidden states, `hidden_output`)."""
+        if self.task == "multivector":
+            return "mean_pooled"
         return str(self.metadata.task.get("output") or "mean_pooled")
+
+    @functools.cached_property
+    def hidden_output(self) -> str:
+        """The graph output the server reads per token: the last hidden states, or a multivector model's token
+        vectors (its head's output, [B, T, vector_dim]: what its hidden states are to every verb)."""
+        return str(self.metadata.task["output"]) if self.task == "multivector" else "last_hidden_state"
+
+    @functools.cached_property
+    def hidden_width(self) -> int:
+        """The width of `hidden_output`: d_model, or a multivector model's vector_dim."""
+        return self.config.vector_dim if self.task == "multivector" else self.config.d_model
 
     @functools.cached_property
     def embedding_width(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
 from serve.core.requests import EncodeResult, MaskChoice, Work
-from serve.core.tasks import DESCRIBED, Pending
+from serve.core.tasks import DESCRIBED, Pending, multivector
 from serve.core.tasks.inputs import Inputs, text_rows
 from serve.errors import ValidationError
 
@@ -32,12 +32,18 @@ class EncodeTask:
     dimensions: int | None = None  # Matryoshka: the first N values of each embedding; None: all
     chunk: bool = False  # texts: a long text as overlapping windows, pooled back into one mean embedding
     request_id: str = ""
+    is_query: bool = False  # a multivector model: the texts are queries (expanded), else documents
 
 
 def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding: bool = False) -> Pending:
     """Checks `task` against the model, admits its rows; the Pending's result is an EncodeResult (its embeddings
     cut to `dimensions`, a chunked text's windows pooled back). `embedding`: the caller needs a pooled
     embedding (the embed verb): a "none" default pooling means mean."""
+    if engine.task == "multivector":
+        return _token_vectors(engine, task, deadline, embedding)
+    if task.is_query:
+        raise ValidationError(f"is_query: model {engine.name!r} is {DESCRIBED[engine.task]}; only a late-interaction "
+                              f"model tells queries from documents")
     if engine.task != "embed":
         if task.pooling in ("mean", *FROM_HIDDEN) or embedding:
             raise ValidationError(
@@ -77,3 +83,18 @@ def finish(result: EncodeResult, work: Work, dimensions: int | None) -> EncodeRe
         result = dataclasses.replace(
             result, embeddings=truncate_dimensions(result.embeddings, dimensions, work.normalize))
     return result
+
+
+def _token_vectors(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pending:
+    """A multivector model's answer: each text's token vectors as its hidden states (multivector.py)."""
+    if embedding or task.pooling not in ("", "none") or task.dimensions is not None or task.chunk:
+        raise ValidationError(f"pooling: model {engine.name!r} is {DESCRIBED['multivector']}; it answers one vector "
+                              f"per token (hidden states), not a pooled embedding: leave pooling, dimensions and "
+                              f"chunk unset")
+    if not task.inputs.texts:
+        raise ValidationError(f"sequences: model {engine.name!r} is {DESCRIBED['multivector']}; send texts (its "
+                              f"queries and documents get their markers and expansion from its tokenizer)")
+    if task.mask.kind is not None or task.mask.custom is not None:
+        raise ValidationError(f"mask: model {engine.name!r} is {DESCRIBED['multivector']}; its queries and documents "
+                              f"attend as the model was trained to: send no mask")
+    return multivector.submit(engine, task.inputs.texts, task.is_query, task.inputs.text, task.request_id, deadline)
