@@ -134,6 +134,13 @@ def test_grpc_encode_answers_token_vectors_as_hidden_states(stub, colbert):
     _assert_vectors_equal(got, _pylate(colbert, DOCUMENTS[:2], False))
 
 
+def test_grpc_encode_of_queries_expands_them_as_pylate(stub, colbert):
+    response = stub.Encode(pb.EncodeRequest(texts=QUERIES[:2], is_query=True,
+                                            output=pb.OutputOptions(hidden_states=True)))
+    got = [np.frombuffer(r.hidden_states.data, "<f4").reshape(list(r.hidden_states.shape)) for r in response.results]
+    _assert_vectors_equal(got, _pylate(colbert, QUERIES[:2], True))
+
+
 # -- MaxSim ----------------------------------------------------------------------------------------------------
 
 def test_tei_rerank_scores_are_pylates_maxsim_best_first(http, colbert):
@@ -152,6 +159,20 @@ def test_cohere_client_reranks_by_maxsim(server, colbert):
     want = _maxsim(colbert, QUERIES[1], DOCUMENTS)
     assert [r.index for r in response.results] == list(np.argsort(-want, kind="stable")[:2])
     np.testing.assert_allclose([r.relevance_score for r in response.results], np.sort(want)[::-1][:2], atol=ATOL)
+
+
+def test_grpc_encode_with_a_maxsim_query_scores_each_text_as_pylate(stub, colbert):
+    response = stub.Encode(pb.EncodeRequest(texts=DOCUMENTS, maxsim_query=QUERIES[0]))
+    np.testing.assert_allclose([r.maxsim_score for r in response.results], _maxsim(colbert, QUERIES[0], DOCUMENTS),
+                               atol=ATOL, rtol=0)
+    assert not any(r.HasField("hidden_states") for r in response.results)
+
+
+def test_grpc_rerank_orders_by_maxsim(stub, colbert):
+    response = stub.Rerank(pb.RerankRequest(query=QUERIES[0], documents=DOCUMENTS, top_n=3))
+    want = _maxsim(colbert, QUERIES[0], DOCUMENTS)
+    assert [r.index for r in response.results] == list(np.argsort(-want, kind="stable")[:3])
+    np.testing.assert_allclose([r.score for r in response.results], np.sort(want)[::-1][:3], atol=ATOL, rtol=0)
 
 
 # -- what does not fit ----------------------------------------------------------------------------------------
@@ -201,3 +222,17 @@ def test_bad_maxsim_rerank_bodies_are_refused_naming_the_field(http, body, field
     answer = http.post("/rerank", json={"model": "colbert", **body})
     assert answer.status_code == 400
     assert answer.json()["error"].startswith(f"{field}"), answer.json()
+
+
+@pytest.mark.parametrize("request_, field", [
+    (dict(texts=["a"]), "hidden_states"),  # neither token vectors nor MaxSim asked for
+    (dict(texts=["a"], maxsim_query="q", is_query=True), "is_query"),
+    (dict(texts=["a"], maxsim_query=""), "maxsim_query"),
+    (dict(texts=["a"], output=pb.OutputOptions(pooling=pb.POOLING_MEAN)), "pooling"),
+    (dict(model="embedder", texts=["a"], maxsim_query="q"), "maxsim_query"),
+])
+def test_grpc_encode_requests_that_do_not_fit_are_invalid_argument_naming_the_field(stub, request_, field):
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Encode(pb.EncodeRequest(**request_))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith(f"{field}:"), refused.value.details()

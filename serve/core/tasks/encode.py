@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
 from serve.core.requests import EncodeResult, MaskChoice, Work
 from serve.core.tasks import DESCRIBED, Pending, multivector
-from serve.core.tasks.inputs import Inputs, text_rows
+from serve.core.tasks.inputs import Inputs, non_empty, present, text_rows
 from serve.errors import ValidationError
 
 
@@ -33,6 +33,7 @@ class EncodeTask:
     chunk: bool = False  # texts: a long text as overlapping windows, pooled back into one mean embedding
     request_id: str = ""
     is_query: bool = False  # a multivector model: the texts are queries (expanded), else documents
+    maxsim_query: str | None = None  # a multivector model: each text (a document) scored by MaxSim against it
 
 
 def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding: bool = False) -> Pending:
@@ -41,9 +42,10 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
     embedding (the embed verb): a "none" default pooling means mean."""
     if engine.task == "multivector":
         return _token_vectors(engine, task, deadline, embedding)
-    if task.is_query:
-        raise ValidationError(f"is_query: model {engine.name!r} is {DESCRIBED[engine.task]}; only a late-interaction "
-                              f"model tells queries from documents")
+    for name in ("is_query", "maxsim_query"):
+        if getattr(task, name) not in (False, None):
+            raise ValidationError(f"{name}: model {engine.name!r} is {DESCRIBED[engine.task]}; only a late-interaction "
+                                  f"(ColBERT) model has queries, documents and MaxSim")
     if engine.task != "embed":
         if task.pooling in ("mean", *FROM_HIDDEN) or embedding:
             raise ValidationError(
@@ -97,4 +99,19 @@ def _token_vectors(engine, task: EncodeTask, deadline: float | None, embedding: 
     if task.mask.kind is not None or task.mask.custom is not None:
         raise ValidationError(f"mask: model {engine.name!r} is {DESCRIBED['multivector']}; its queries and documents "
                               f"attend as the model was trained to: send no mask")
-    return multivector.submit(engine, task.inputs.texts, task.is_query, task.inputs.text, task.request_id, deadline)
+    if task.maxsim_query is None:
+        if not task.hidden_states:
+            raise ValidationError(f"hidden_states: model {engine.name!r} is {DESCRIBED['multivector']}; ask for its "
+                                  f"token vectors (hidden_states) or for MaxSim scores against a query (maxsim_query)")
+        return multivector.submit(engine, task.inputs.texts, task.is_query, task.inputs.text, task.request_id,
+                                  deadline)
+    if task.is_query:
+        raise ValidationError("is_query: with maxsim_query the texts are the documents; leave is_query unset")
+    present(task.maxsim_query, "maxsim_query")
+
+    def finish(scores, documents: EncodeResult) -> EncodeResult:  # the scores as each row's one `scores` value
+        return dataclasses.replace(documents, scores=scores[:, None],
+                                   hidden_states=documents.hidden_states if task.hidden_states else None)
+
+    return multivector.rank(engine, task.maxsim_query, non_empty(task.inputs.texts, "texts"), task.inputs.text,
+                            task.request_id, "texts", deadline, finish)

@@ -14,7 +14,7 @@ it (tokenize, encode):
 
 `submit` (the encode verb on such a model: TEI /embed_all, encoder.v1 Encode) answers the token vectors as the
 EncodeResult's hidden states: row i holds its kept vectors first, token_counts[i] of them. `rank` (the rerank
-verb) runs the query and the documents in one Work and scores each document.
+verb, and Encode with a maxsim_query) runs the query and the documents in one Work and scores each document.
 """
 
 from __future__ import annotations
@@ -87,13 +87,14 @@ def submit(engine, texts: tuple[str, ...], is_query: bool, options: TextOptions,
                    lambda result: compacted(result, [kept(engine, ids, is_query) for ids in sequences]))
 
 
-def compacted(result: EncodeResult, keep: list[np.ndarray]) -> EncodeResult:
-    """`result` with each row's kept vectors first and token_counts the number of them."""
-    counts = [int(k.sum()) for k in keep]
-    hidden = np.zeros((len(keep), max(counts, default=0), result.hidden_states.shape[-1]), np.float32)
-    for i, k in enumerate(keep):
-        hidden[i, :counts[i]] = result.hidden_states[i, :len(k)][k]
-    return dataclasses.replace(result, hidden_states=hidden, token_counts=tuple(counts))
+def compacted(result: EncodeResult, keep: list[np.ndarray], first: int = 0) -> EncodeResult:
+    """`result`'s rows from `first` on, each row's kept vectors first and token_counts the number of them."""
+    counts = [int(k.sum()) for k in keep[first:]]
+    hidden = np.zeros((len(counts), max(counts, default=0), result.hidden_states.shape[-1]), np.float32)
+    for i, k in enumerate(keep[first:]):
+        hidden[i, :counts[i]] = result.hidden_states[first + i, :len(k)][k]
+    return dataclasses.replace(result, hidden_states=hidden, token_counts=tuple(counts),
+                               truncated=result.truncated[first:], attention_paths=result.attention_paths[first:])
 
 
 def maxsim(query: np.ndarray, document: np.ndarray) -> float:
@@ -103,8 +104,9 @@ def maxsim(query: np.ndarray, document: np.ndarray) -> float:
 
 def rank(engine, query: str, documents: tuple[str, ...], options: TextOptions, request_id: str,
          documents_field: str, deadline: float | None, finish) -> Pending:
-    """The query and the documents in one Work; `finish(scores, result)` makes the verb's answer of the MaxSim
-    scores (float32 [documents]). Only documents are cut with `truncate`: a query too long is refused."""
+    """The query and the documents in one Work; `finish(scores, documents)` makes the verb's answer of the MaxSim
+    scores (float32 [documents]) and the documents' rows (`compacted`: their token vectors; the run's timings).
+    Only documents are cut with `truncate`: a query too long is refused."""
     engine.limits.check_count(len(documents) + 1, documents_field)
     q, q_real, _ = rows(engine, (query,), True, dataclasses.replace(options, truncate=False), "query")
     d, d_real, truncated = rows(engine, documents, False, options, documents_field)
@@ -114,9 +116,10 @@ def rank(engine, query: str, documents: tuple[str, ...], options: TextOptions, r
     keep = [kept(engine, ids, i == 0) for i, ids in enumerate(sequences)]
 
     def scored(result: EncodeResult):
-        hidden = result.hidden_states
-        vectors = [hidden[i, :len(k)][k] for i, k in enumerate(keep)]
-        scores = np.asarray([maxsim(vectors[0], v) for v in vectors[1:]], np.float32)
-        return finish(scores, result)
+        query = result.hidden_states[0, :len(keep[0])][keep[0]]
+        documents = compacted(result, keep, first=1)
+        scores = np.asarray([maxsim(query, v[:n]) for v, n in zip(documents.hidden_states, documents.token_counts)],
+                            np.float32)
+        return finish(scores, documents)
 
     return Pending(engine.submit(work, deadline), scored)

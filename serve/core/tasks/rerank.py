@@ -54,7 +54,7 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
         documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
     if engine.task == "multivector":  # MaxSim of token vectors (multivector.py); the scores are raw
         return multivector.rank(engine, task.query, documents, task.text, task.request_id, field, deadline,
-                                lambda scores, result: Ranking(scores, ranking(scores, task.top_n), result))
+                                lambda scores, documents: Ranking(scores, ranking(scores, task.top_n), documents))
     rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
                      count_field=field)
     work = Work(rows.sequences, scores=True, request_id=task.request_id, types=rows.types, truncated=rows.truncated)
