@@ -38,9 +38,6 @@ def pylate_colbert(root: Path, *, vector_dim: int = 16, query_length: int = 12, 
                    seed: int = 0, **settings):
     """(a PyLate ColBERT over a small random BERT with a word-level tokenizer, the directory PyLate saved it to).
     `settings`: more of ColBERT's arguments (do_query_expansion, attend_to_expansion_tokens, ...)."""
-    from pylate import models
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Transformer
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
     tokenizer, _ = word_tokenizer()
@@ -52,15 +49,26 @@ def pylate_colbert(root: Path, *, vector_dim: int = 16, query_length: int = 12, 
                         intermediate_size=48, max_position_embeddings=64)
     redraw(BertModel(config), seed=seed).save_pretrained(base)
     fast.save_pretrained(base)
+    model, directory = colbert_over(base, root, vector_dim=vector_dim, query_length=query_length,
+                                    document_length=document_length, seed=seed, **settings)
+    assert model.skiplist_words == list(string.punctuation)
+    return model, directory
+
+
+def colbert_over(base: Path, root: Path, *, vector_dim: int, seed: int = 0, **settings):
+    """(a PyLate ColBERT over the transformers checkpoint `base` with a new Dense to `vector_dim` drawn from `seed`,
+    bridged to sentence-transformers 6; the directory under `root` PyLate saved it to)."""
+    from pylate import models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Transformer
+
     encoder = root / "encoder"  # a sentence-transformers directory of the Transformer alone: PyLate adds its Dense
     SentenceTransformer(modules=[Transformer(str(base))], device="cpu").save(str(encoder))
     models.ColBERT._text_length = lambda self, text: self._input_length(text)
     torch.manual_seed(seed)
-    model = models.ColBERT(model_name_or_path=str(encoder), embedding_size=vector_dim, query_length=query_length,
-                           document_length=document_length, device="cpu", **settings)
+    model = models.ColBERT(model_name_or_path=str(encoder), embedding_size=vector_dim, device="cpu", **settings)
     model._first_module().tokenize = _st53_tokenize(model._first_module())
     model._model_config = model._get_model_config()
     directory = root / "colbert"
     model.save(str(directory))
-    assert model.skiplist_words == list(string.punctuation)
     return model, directory

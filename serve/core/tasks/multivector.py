@@ -107,7 +107,11 @@ def rank(engine, query: str, documents: tuple[str, ...], options: TextOptions, r
     """The query and the documents in one Work; `finish(scores, documents)` makes the verb's answer of the MaxSim
     scores (float32 [documents]) and the documents' rows (`compacted`: their token vectors; the run's timings).
     Only documents are cut with `truncate`: a query too long is refused."""
-    engine.limits.check_count(len(documents) + 1, documents_field)
+    engine.limits.check_count(len(documents), documents_field)
+    most = engine.limits.max_sequences_per_request
+    if len(documents) + 1 > most:  # the query is a row of the same request
+        raise ValidationError(f"{documents_field}: {len(documents)} documents and the query make {len(documents) + 1} "
+                              f"sequences, over max_sequences_per_request={most}; send at most {most - 1} documents")
     q, q_real, _ = rows(engine, (query,), True, dataclasses.replace(options, truncate=False), "query")
     d, d_real, truncated = rows(engine, documents, False, options, documents_field)
     sequences = q + d
