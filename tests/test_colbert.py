@@ -40,13 +40,27 @@ def colbert(tmp_path_factory):
                           document_length=DOCUMENT_LENGTH)
 
 
+# PyLate's other query settings: every token attending to the expansion; no expansion at all
+VARIANTS = {"attending": dict(attend_to_expansion_tokens=True), "unexpanded": dict(do_query_expansion=False)}
+
+
 @pytest.fixture(scope="module")
-def repository(colbert, tmp_path_factory):
+def variants(tmp_path_factory):
+    """name -> (PyLate's model, its directory) of each of VARIANTS."""
+    return {name: pylate_colbert(tmp_path_factory.mktemp(name), query_length=QUERY_LENGTH,
+                                 document_length=DOCUMENT_LENGTH, seed=i + 1, **settings)
+            for i, (name, settings) in enumerate(VARIANTS.items())}
+
+
+@pytest.fixture(scope="module")
+def repository(colbert, variants, tmp_path_factory):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
 
     out = tmp_path_factory.mktemp("colbert-repository")
     _export(colbert[1], out, "colbert")
+    for name, (_, directory) in variants.items():
+        _export(directory, out, name)
     embedder = tmp_path_factory.mktemp("embedder") / "st"
     base = colbert[1].parent / "bert"
     SentenceTransformer(modules=[Transformer(str(base)), Pooling(32, "mean")], device="cpu").save(str(embedder))
@@ -122,6 +136,13 @@ def test_a_query_over_its_length_is_cut_with_truncate_as_pylate_cuts_it(http, co
     _assert_vectors_equal(answer.json(), _pylate(colbert, [QUERIES[2]], True))
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_query_vectors_under_pylates_other_query_settings_equal_its_encode(http, variants, name):
+    answer = http.post("/embed_all", json={"model": name, "inputs": QUERIES[:2], "is_query": True})
+    assert answer.status_code == 200, answer.text
+    _assert_vectors_equal(answer.json(), _pylate(variants[name], QUERIES[:2], True))
+
+
 def test_document_vectors_without_skiplist_tokens_equal_pylate_encode(http, colbert):
     answer = http.post("/embed_all", json={"inputs": DOCUMENTS})
     assert answer.status_code == 200, answer.text
@@ -192,7 +213,7 @@ def test_a_pooled_embedding_of_a_colbert_is_refused_naming_its_task(http, route,
 def test_is_query_on_a_model_without_the_head_is_refused_naming_it(http):
     answer = http.post("/embed_all", json={"model": "embedder", "inputs": ["x"], "is_query": True})
     assert answer.status_code == 400
-    assert answer.json()["error"].startswith("is_query:")
+    assert answer.json()["error"].startswith("is_query:") and "task 'embed'" in answer.json()["error"]
 
 
 def test_maxsim_rerank_on_an_embedder_is_refused_naming_the_routes_that_fit(http):

@@ -44,8 +44,9 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
         return _token_vectors(engine, task, deadline, embedding)
     for name in ("is_query", "maxsim_query"):
         if getattr(task, name) not in (False, None):
-            raise ValidationError(f"{name}: model {engine.name!r} is {DESCRIBED[engine.task]}; only a late-interaction "
-                                  f"(ColBERT) model has queries, documents and MaxSim")
+            raise ValidationError(f"{name}: model {engine.name!r} is {DESCRIBED[engine.task]} (task {engine.task!r}); "
+                                  f"only a late-interaction (ColBERT) model (task 'multivector') has queries, "
+                                  f"documents and MaxSim")
     if engine.task != "embed":
         if task.pooling in ("mean", *FROM_HIDDEN) or embedding:
             raise ValidationError(
