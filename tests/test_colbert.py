@@ -235,10 +235,10 @@ def test_bad_token_vector_bodies_are_refused_naming_the_field(http, body, field)
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"query": QUERIES[2], "texts": ["a"]}, "query"),  # a query is never cut
-    ({"query": "a", "texts": ["b", " ".join(["the"] * DOCUMENT_LENGTH)]}, "texts[1]"),
-    ({"query": "a", "texts": []}, "texts"),
-    ({"query": "a", "texts": ["b"] * 32}, "texts"),  # 32 documents and the query: 33 sequences, over the limit
+    ({"query": QUERIES[2], "texts": ["a"], "truncate": True}, "query:"),  # a query is never cut
+    ({"query": "a", "texts": ["b", " ".join(["the"] * DOCUMENT_LENGTH)]}, "texts[1]:"),
+    ({"query": "a", "texts": []}, "texts:"),
+    ({"query": "a", "texts": ["b"] * 32}, "texts:"),  # 32 documents and the query: 33 sequences, over the limit
 ])
 def test_bad_maxsim_rerank_bodies_are_refused_naming_the_field(http, body, field):
     answer = http.post("/rerank", json={"model": "colbert", **body})

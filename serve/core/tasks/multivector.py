@@ -42,9 +42,12 @@ def rows(engine, texts: tuple[str, ...], is_query: bool, options: TextOptions, f
     text = tokenizer(engine, field).limited(length - (marker is not None))
     try:
         sequences, truncated, _ = text.encode(texts, truncate=options.truncate, direction=options.direction)
-    except ValidationError as error:  # names texts[i]: the caller's field instead
+    except ValidationError as error:  # names texts[i]: the caller's field instead (a query is one text)
         message = str(error)
-        raise ValidationError(message.replace("texts[", f"{field}[", 1) if field != "texts" else message) from None
+        if field != "texts":
+            message = message.replace("texts[0]", "query", 1) if field == "query" else \
+                message.replace("texts[", f"{field}[", 1)
+        raise ValidationError(message) from None
     out, real = [], []
     for ids in sequences:
         if marker is not None:
