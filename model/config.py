@@ -36,8 +36,9 @@ INPUT_KINDS = ("tokens", "features")
 NATURAL_MASKS = ("bidirectional", "causal")
 # Task heads on the encoder (model/heads.py): none (embeddings only), a sequence classifier (cross-encoders,
 # classifiers: logits [B, num_labels]), SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))) or a
-# late-interaction (ColBERT) head: every token projected to vector_dim and L2-normalised, [B, T, vector_dim].
-HEADS = ("none", "classification", "sparse", "multivector")
+# late-interaction (ColBERT) head: every token projected to vector_dim and L2-normalised, [B, T, vector_dim], or
+# bge-m3's three heads in one per-token output [B, T, D + 1] (model/heads.py M3Head).
+HEADS = ("none", "classification", "sparse", "multivector", "m3")
 # What a classification head reads: the first token's hidden state, or the mean over valid tokens.
 HEAD_POOLINGS = ("cls", "mean")
 # The activation inside a head's transform (dense -> act -> optional LayerNorm): "gelu" is the exact (erf) GELU.
@@ -149,6 +150,8 @@ class EncoderConfig:
     #   sparse (SPLADE): per token dense -> head_activation -> LayerNorm if head_norm -> out(D, vocab_size,
     #                   bias=head_out_bias), then log1p(relu(.)), max over valid tokens: [B, vocab_size]
     #   multivector (ColBERT): per token out(D, vector_dim, no bias), L2-normalised: [B, T, vector_dim]
+    #   m3 (bge-m3): per token colbert(D, D) L2-normalised (position 0: the normalised hidden state, the dense
+    #                embedding) and relu(sparse(D, 1)): [B, T, D + 1]
     # The head's LayerNorm takes layer_norm_eps and norm_bias, as the encoder's.
     head: str = "none"
     num_labels: int = 1  # classification only

@@ -49,6 +49,7 @@ from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_sp
                             PYLATE_DENSE, detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint)
 from model.hf_heads import with_head as family_with_head
 from model.hf_colbert import colbert_task, read_projection
+from model.hf_m3 import is_m3, m3_task, read_m3_head
 from model.projection import Dense
 from model.tasks import EMBED
 
@@ -358,17 +359,25 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     family = family_for(model_type, hf.get("architectures") or [])
     config = family.config(hf, name or _default_name(directory), {})
     head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
+    if head == "none" and not drop_head and is_m3(directory):
+        head = "m3"  # bge-m3: colbert_linear.pt and sparse_linear.pt beside the checkpoint (model/hf_m3.py)
     # a PyLate ColBERT's projection: the multivector head, whatever the family (model/hf_colbert.py)
     projection = read_projection(directory, st_modules(directory)) if head == "multivector" else None
-    family_head = "none" if projection is not None else head
+    own_head = head in ("multivector", "m3")  # heads of no family's checkpoint names: read here
+    family_head = "none" if own_head else head
 
     def with_head(config: EncoderConfig, family, hf, head) -> EncoderConfig:
         config = family_with_head(config, family, hf, family_head)
+        if head == "m3":
+            return config.replace(head="m3")
         return config if projection is None else config.replace(head="multivector", vector_dim=len(projection))
 
     with_head(config, family, hf, head)  # refuses a head config.json cannot describe before any weights are read
     longest = config.position_limit or config.max_positions
-    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
+    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest,
+                                                              "none" if head == "m3" else head, dropped=drop_head)
+    if head == "m3":
+        pooling = pooling_settings("cls", normalize=True)  # FlagEmbedding's dense embedding
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
     if before_weights is not None:
         before_weights(with_head(config, family, hf, head))
@@ -387,6 +396,10 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     if projection is not None:
         ours["head.out.weight"] = torch.from_numpy(projection)
         back["head.out.weight"] = f"{PYLATE_DENSE} linear.weight"
+    if head == "m3":
+        found_m3 = read_m3_head(directory, config.d_model)
+        ours.update(found_m3)
+        back.update({name: f"{name.replace('head.', '')}_linear.pt {name.rsplit('.', 1)[1]}" for name in found_m3})
     ignored = [n for n in ignored if n not in found.seen]
     heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
     tasks = [a for a in source["architectures"] if a.endswith(TASK_ARCHITECTURES)
@@ -412,7 +425,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
         pooling=pooling,
         max_length=max_length,
-        task=colbert_task(directory, config) if projection is not None else task_from_checkpoint(directory, hf, config),
+        task=(colbert_task(directory, config) if projection is not None else m3_task(directory, config)
+              if head == "m3" else task_from_checkpoint(directory, hf, config)),
         dense=dense,
         **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )

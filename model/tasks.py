@@ -11,6 +11,7 @@ Torch-free: the exporter writes it, the server reads it (docs/export-format.md "
    "query_length": 32, "document_length": 180,
    "query_expansion": true, "attend_to_expansion_tokens": false,
    "expansion_id": 103, "skiplist_ids": [...]}
+  {"kind": "m3", "output": "m3_tokens", "unused_ids": [0, 1, 2, 3]}  bge-m3: dense, lexical weights, ColBERT
 
 "activation" turns logits into scores when a client does not ask for raw ones: a sentence-transformers
 CrossEncoder's own activation_fn when it names one, else the checkpoint's problem_type, else sigmoid for one
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Sequence
 from model.config import EncoderConfig
 from model.signature import head_output
 
-TASK_KINDS = ("embed", "rerank", "classify", "sparse", "multivector")
+TASK_KINDS = ("embed", "rerank", "classify", "sparse", "multivector", "m3")
 # a multivector task's fields besides kind and output: name -> the types it may hold (None: null allowed)
 MULTIVECTOR_FIELDS: Mapping[str, tuple] = {
     "query_marker_id": (int, type(None)), "document_marker_id": (int, type(None)), "query_length": (int,),
@@ -85,8 +86,9 @@ def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, acti
         return dict(EMBED)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
-    if config.head == "multivector":
-        raise TaskError("a multivector task needs its checkpoint's settings (model/hf_colbert.py colbert_task)")
+    if config.head in ("multivector", "m3"):
+        raise TaskError(f"a {config.head} task needs its checkpoint's settings (model/hf_colbert.py colbert_task, "
+                        f"model/hf_m3.py m3_task)")
     labels = default_labels(config.num_labels) if labels is None else [str(v) for v in labels]
     return check_task({"kind": "rerank" if config.num_labels == 1 else "classify", "output": head[0],
                        "labels": labels, "activation": activation or score_activation(config.num_labels),
@@ -101,7 +103,7 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
                         f"{', '.join(TASK_KINDS)}")
     head = head_output(config)
     kind = task["kind"]
-    expected = "embed" if head is None else config.head if config.head in ("sparse", "multivector") else \
+    expected = "embed" if head is None else config.head if config.head in ("sparse", "multivector", "m3") else \
         "rerank" if config.num_labels == 1 else "classify"
     if kind != expected:
         raise TaskError(f"task kind {kind!r} does not fit head={config.head!r} with num_labels={config.num_labels} "
@@ -118,6 +120,10 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
             raise TaskError(f"task pair {task.get('pair')!r} is not true or false")
     if config.head == "multivector":
         check_multivector(task, config)
+    if config.head == "m3":
+        ids = task.get("unused_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids):
+            raise TaskError(f"task unused_ids {ids!r} are not token ids within the vocabulary")
     return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in task.items()}
 
 

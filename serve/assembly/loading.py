@@ -55,7 +55,7 @@ def probe(backend: Backend, export: ExportDir) -> None:
     rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
     head = head_output(config)  # the per-row output: a head's, else the mean embedding
-    if export.task == "multivector":  # its head's output is read as the hidden states; the mean beside it
+    if export.task in ("multivector", "m3"):  # its head's output is read as the hidden states; the mean beside it
         head = None
     want_hidden = (rows, length, export.hidden_width)
     want_pooled = (rows, config.d_model if head is None else head[2][1])
@@ -65,7 +65,7 @@ def probe(backend: Backend, export: ExportDir) -> None:
             f"metadata.json config says {list(want_hidden)} / {list(want_pooled)}; graph and metadata do not match"
         )
     embeddings = project(pooled, export.dense) if head is None else pooled
-    if head is None and export.task != "multivector" and embeddings.shape != (rows, export.embedding_width):
+    if head is None and export.task not in ("multivector", "m3") and embeddings.shape != (rows, export.embedding_width):
         raise BackendError(f"{export.path}: the projection after pooling gave embeddings of shape "
                            f"{list(embeddings.shape)}, metadata.json says [{rows}, {export.embedding_width}]")
     if not (np.isfinite(hidden).all() and np.isfinite(embeddings).all()):

@@ -14,6 +14,8 @@ request (the defaults and limits it declares, once), its result, and the verb th
   (encode)   multivector.py                             multivector: each text's token vectors, as the
                                                         ColBERT computes them (the encode verb's hidden
                                                         states on such a model); MaxSim (rerank.py)
+  (all)      m3.py                                      m3 (bge-m3): embed its dense embedding, sparse its
+                                                        lexical weights, encode its ColBERT vectors
   classify   classify.py  ClassifyTask -> Predictions   rerank, classify: each label's score of texts or pairs
                                                         (TEI /predict, infinity /classify, Classify)
   tokenize   tokens.py    TokenizeTask -> tokens        any model with a tokenizer (TEI /tokenize, /decode,
@@ -46,13 +48,14 @@ DESCRIBED = {
     "classify": "a classifier",
     "sparse": "a sparse (SPLADE) embedding model",
     "multivector": "a late-interaction (ColBERT) model: token vectors, MaxSim scores",
+    "m3": "a bge-m3 model: dense embeddings, lexical weights, ColBERT vectors",
 }
 # each verb -> the model tasks it serves
 SERVES: Mapping[str, tuple[str, ...]] = {
     "encode": TASKS,  # per-token hidden states (and what else the model answers): every model has them; a
     # multivector model's are its token vectors (multivector.py)
-    "embed": ("embed",),
-    "sparse": ("sparse",),
+    "embed": ("embed", "m3"),  # bge-m3's dense embedding (m3.py)
+    "sparse": ("sparse", "m3"),  # bge-m3's lexical weights
     "rerank": ("rerank", "multivector"),  # a ColBERT ranks by MaxSim (multivector.py)
     "classify": ("rerank", "classify"),  # a cross-encoder's one label is a classifier's too (TEI /predict)
     "tokenize": TASKS,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
 from serve.core.requests import EncodeResult, MaskChoice, Work
-from serve.core.tasks import DESCRIBED, Pending, multivector
+from serve.core.tasks import DESCRIBED, Pending, m3, multivector
 from serve.core.tasks.inputs import Inputs, non_empty, present, text_rows
 from serve.errors import ValidationError
 
@@ -42,6 +42,8 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
     embedding (the embed verb): a "none" default pooling means mean."""
     if engine.task == "multivector":
         return _token_vectors(engine, task, deadline, embedding)
+    if engine.task == "m3":
+        return _m3(engine, task, deadline, embedding)
     for name in ("is_query", "maxsim_query"):
         if getattr(task, name) not in (False, None):
             raise ValidationError(f"{name}: model {engine.name!r} is {DESCRIBED[engine.task]} (task {engine.task!r}); "
@@ -116,3 +118,36 @@ def _token_vectors(engine, task: EncodeTask, deadline: float | None, embedding: 
 
     return multivector.rank(engine, task.maxsim_query, non_empty(task.inputs.texts, "texts"), task.inputs.text,
                             task.request_id, "texts", deadline, finish)
+
+
+def _m3(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pending:
+    """bge-m3 (m3.py): its dense embedding as the pooled embedding (pooling first, the model's default), its
+    ColBERT vectors as the hidden states."""
+    described = f"model {engine.name!r} is {DESCRIBED['m3']}"
+    if not task.inputs.texts:
+        raise ValidationError(f"sequences: {described}; send texts")
+    if task.mask.kind is not None or task.mask.custom is not None or task.chunk:
+        raise ValidationError(f"mask: {described}; it is encoded as trained: send no mask, no chunk")
+    if task.normalize is False:
+        raise ValidationError(f"normalize: {described}; its dense embedding is L2-normalised in its graph")
+    pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
+    if pooling not in ("none", "first"):
+        raise ValidationError(f"pooling: {described}; its dense embedding is its first token's (pooling first)")
+    if task.dimensions is not None:
+        if pooling == "none":
+            raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
+        check_dimensions(task.dimensions, engine.embedding_width)
+    rows = text_rows(engine, task.inputs)
+    work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)
+
+    def answer(engine, result: EncodeResult, sequences) -> EncodeResult:
+        out = m3.colbert(engine, result, sequences) if task.hidden_states else \
+            dataclasses.replace(result, hidden_states=None)
+        if pooling == "first":
+            dense = m3.dense(engine, result, sequences).embeddings
+            if task.dimensions is not None:
+                dense = truncate_dimensions(dense, task.dimensions, True)
+            out = dataclasses.replace(out, embeddings=dense)
+        return out
+
+    return m3.submit(engine, work, answer, deadline)
