@@ -21,10 +21,17 @@ MINILM := all-minilm-l6-v2
 
 setup: $(VENV)/.installed
 
+# With the reference extra, pinned and without their dependencies: PyLate, the ColBERT reference of
+# tests/test_colbert.py (its pins, torch 2.11 / transformers 5.3 / sentence-transformers 5.3, would replace ours;
+# what it imports besides them, datasets, is in the reference extra; tests/pylate_reference.py bridges it to ST 6),
+# and FlagEmbedding, the bge-m3 reference of tests/test_bge_m3.py, with the two packages its import needs (peft,
+# accelerate; its other dependencies, datasets aside, are for training: ir_datasets, sentencepiece, ...).
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	case ',$(EXTRAS),' in *,reference,*) $(BIN)/python -m pip install -q --no-deps 'pylate==1.6.0' \
+	    'FlagEmbedding==1.4.2' 'peft==0.21.2' 'accelerate==1.15.0';; esac
 	touch $@
 
 proto: setup

@@ -122,7 +122,7 @@ def output_scores(actual: list[np.ndarray], expected: list[np.ndarray], feeds: d
                                  for got, want in zip(actual[1:], expected[1:]))]
     if metric == "min_cosine":
         pooled = _cosine_min(actual[1], expected[1])
-        agreement = _cosine_min if head == "sparse" else _logits_agreement_min
+        agreement = _cosine_min if head in ("sparse", "multivector") else _logits_agreement_min
         return [pooled, pooled, *(agreement(got, want) for got, want in zip(actual[2:], expected[2:]))]
     raise ValueError(f"unknown tolerance metric {metric!r}")
 

@@ -35,8 +35,10 @@ INPUT_KINDS = ("tokens", "features")
 # The mask a request gets when it names none: bidirectional (encoders), causal (decoder embedders: Qwen2/3).
 NATURAL_MASKS = ("bidirectional", "causal")
 # Task heads on the encoder (model/heads.py): none (embeddings only), a sequence classifier (cross-encoders,
-# classifiers: logits [B, num_labels]) or SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))).
-HEADS = ("none", "classification", "sparse")
+# classifiers: logits [B, num_labels]), SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))) or a
+# late-interaction (ColBERT) head: every token projected to vector_dim and L2-normalised, [B, T, vector_dim], or
+# bge-m3's three heads in one per-token output [B, T, D + 1] (model/heads.py M3Head).
+HEADS = ("none", "classification", "sparse", "multivector", "m3")
 # What a classification head reads: the first token's hidden state, or the mean over valid tokens.
 HEAD_POOLINGS = ("cls", "mean")
 # The activation inside a head's transform (dense -> act -> optional LayerNorm): "gelu" is the exact (erf) GELU.
@@ -147,9 +149,13 @@ class EncoderConfig:
     #                   head_norm -> out(D, num_labels, bias=head_out_bias): logits [B, num_labels]
     #   sparse (SPLADE): per token dense -> head_activation -> LayerNorm if head_norm -> out(D, vocab_size,
     #                   bias=head_out_bias), then log1p(relu(.)), max over valid tokens: [B, vocab_size]
+    #   multivector (ColBERT): per token out(D, vector_dim, no bias), L2-normalised: [B, T, vector_dim]
+    #   m3 (bge-m3): per token colbert(D, D) L2-normalised (position 0: the normalised hidden state, the dense
+    #                embedding) and relu(sparse(D, 1)): [B, T, D + 1]
     # The head's LayerNorm takes layer_norm_eps and norm_bias, as the encoder's.
     head: str = "none"
     num_labels: int = 1  # classification only
+    vector_dim: int = 0  # multivector only: the width of each token's vector
     head_pooling: str = "cls"  # classification only
     head_activation: str = "tanh"
     head_norm: bool = False
@@ -252,6 +258,8 @@ class EncoderConfig:
                 raise ConfigError("relative_attention_buckets needs attention='softmax' (a bias on its scores)")
         if self.disentangled_terms:
             self._check_disentangled()
+        if (self.head == "multivector") != (self.vector_dim > 0):
+            raise ConfigError(f"vector_dim={self.vector_dim} must be >= 1 with head='multivector' and 0 otherwise")
         if self.head == "sparse" and self.input_kind != "tokens":
             raise ConfigError("head='sparse' needs input_kind='tokens' (its output has one entry per vocabulary id)")
 

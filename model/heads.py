@@ -17,6 +17,17 @@ alike in the state dict:
                   The MLM head of BERT / RoBERTa / ModernBERT with sentence-transformers' SpladePooling
                   (max, relu). A row with no valid token gives zeros.
 
+  multivector     token_vectors = normalize(out(hidden)) per token                        # (B, T, vector_dim)
+  (ColBERT)       PyLate's Dense projection (no bias, no activation) then its L2 normalisation; only
+                  head.out. Every position is answered (padding too): which tokens count is the task's
+                  (query expansion, skiplist; model/tasks.py), applied by the server.
+
+  m3 (bge-m3)     m3_tokens[:, :, :D] = normalize(colbert(hidden)), except position 0: normalize(hidden[:, 0])
+                  (the dense embedding: FlagEmbedding's CLS pooling; it has no ColBERT vector of the CLS);
+                  m3_tokens[:, :, D] = relu(sparse(hidden)), each token's lexical weight     # (B, T, D + 1)
+                  head.colbert (D -> D) and head.sparse (D -> 1), both with bias (colbert_linear.pt,
+                  sparse_linear.pt). Which tokens count is the server's (model/tasks.py "m3").
+
 Raw logits leave the graph; what turns them into scores (sigmoid, softmax) is metadata.json's "task"
 (model/tasks.py), applied by whoever reads them.
 """
@@ -79,10 +90,40 @@ class SparseHead(_Transform):
         return (weights * valid).amax(dim=1)  # (B, vocab)
 
 
+class MultiVectorHead(nn.Module):
+    """Late interaction (ColBERT): each token's hidden state projected to vector_dim, L2-normalised."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.out = nn.Linear(config.d_model, config.vector_dim, bias=False)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.out(hidden), p=2, dim=-1)  # (B, T, vector_dim)
+
+
+class M3Head(nn.Module):
+    """bge-m3's dense, lexical and ColBERT outputs of one encoder run, in one per-token tensor."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.colbert = nn.Linear(config.d_model, config.d_model)
+        self.sparse = nn.Linear(config.d_model, 1)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        vectors = F.normalize(self.colbert(hidden[:, 1:]), p=2, dim=-1)  # (B, T - 1, D)
+        dense = F.normalize(hidden[:, :1], p=2, dim=-1)  # (B, 1, D)
+        weights = F.relu(self.sparse(hidden))  # (B, T, 1)
+        return torch.cat([torch.cat([dense, vectors], dim=1), weights], dim=-1)  # (B, T, D + 1)
+
+
 def build_head(config: EncoderConfig) -> nn.Module | None:
     """The head config.head names, or None for a headless encoder."""
     if config.head == "classification":
         return ClassificationHead(config)
     if config.head == "sparse":
         return SparseHead(config)
+    if config.head == "multivector":
+        return MultiVectorHead(config)
+    if config.head == "m3":
+        return M3Head(config)
     return None

@@ -36,6 +36,7 @@ SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 
 # sentence-transformers modules of the heads (by class name; old and new homes alike, see hf_pretrained._module_kind).
 ST_SPLADE_POOLING = "sentence_transformers.sparse_encoder.models.SpladePooling"
+PYLATE_DENSE = "pylate.models.Dense.Dense"  # a PyLate ColBERT's projection (model/hf_colbert.py)
 # SpladePooling settings we compute; any other is refused naming it.
 SPLADE_SETTINGS: Mapping[str, str] = {"pooling_strategy": "max", "activation_function": "relu"}
 CROSS_ENCODER_TASK = "sequence-classification"  # sentence_bert_config.json's transformer_task of a CrossEncoder
@@ -43,7 +44,8 @@ CROSS_ENCODER_TASK = "sequence-classification"  # sentence_bert_config.json's tr
 
 def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: str | None, drop_head: bool) -> str:
     """The head to load: none when dropped (`--encoder-only`), else the one asked for (`--head`), else
-    sparse for a sentence-transformers SparseEncoder (a SpladePooling module), classification for a
+    sparse for a sentence-transformers SparseEncoder (a SpladePooling module), multivector for a PyLate
+    ColBERT (its Dense module), classification for a
     *ForSequenceClassification architecture, else none (a base or MLM checkpoint exports its encoder)."""
     if drop_head:
         return "none"
@@ -51,6 +53,8 @@ def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: st
         return requested
     if ST_SPLADE_POOLING in st_kinds:
         return "sparse"
+    if PYLATE_DENSE in st_kinds:
+        return "multivector"
     if any(a.endswith(SEQUENCE_CLASSIFICATION) for a in hf.get("architectures") or []):
         return "classification"
     return "none"

@@ -46,7 +46,10 @@ from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file, wri
 from model.hf_dense import ST_DENSE, read_dense_modules
 from model.hf_family import Family
 from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_splade_pooling, check_transformer_task,
-                            detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint, with_head)
+                            PYLATE_DENSE, detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint)
+from model.hf_heads import with_head as family_with_head
+from model.hf_colbert import colbert_task, read_projection
+from model.hf_m3 import is_m3, m3_task, read_m3_head
 from model.projection import Dense
 from model.tasks import EMBED
 
@@ -101,10 +104,12 @@ ST_LAYOUTS: Mapping[str, tuple[list[str], ...]] = {
     "none": ([ST_POOLING], [ST_NORMALIZE, ST_POOLING]),
     "sparse": ([ST_SPLADE_POOLING],),
     "classification": ([],),
+    "multivector": ([PYLATE_DENSE],),
 }
 ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Dense modules, + Normalize)",
                    "sparse": "one SpladePooling module (a SparseEncoder)",
-                   "classification": "no other module (a CrossEncoder)"}
+                   "classification": "no other module (a CrossEncoder)",
+                   "multivector": "one PyLate Dense module (a PyLate ColBERT)"}
 
 
 def _module_kind(kind: str | None) -> str | None:
@@ -288,7 +293,7 @@ def read_sentence_transformers_settings(directory: Path, hf: Mapping[str, Any], 
 
     modules = st_modules(directory)
     kinds = [kind for kind, _ in modules]
-    unknown = [k for k in kinds if k not in ST_MODULES]
+    unknown = [k for k in kinds if k not in (*ST_MODULES, PYLATE_DENSE)]
     if unknown:
         raise CheckpointError(f"{modules_file} uses sentence-transformers module(s) we cannot reproduce: {unknown}")
     layouts = ST_LAYOUTS[head] + ((*ST_LAYOUTS["sparse"], *ST_LAYOUTS["classification"]) if dropped else ())
@@ -354,9 +359,25 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     family = family_for(model_type, hf.get("architectures") or [])
     config = family.config(hf, name or _default_name(directory), {})
     head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
+    if head == "none" and not drop_head and is_m3(directory):
+        head = "m3"  # bge-m3: colbert_linear.pt and sparse_linear.pt beside the checkpoint (model/hf_m3.py)
+    # a PyLate ColBERT's projection: the multivector head, whatever the family (model/hf_colbert.py)
+    projection = read_projection(directory, st_modules(directory)) if head == "multivector" else None
+    own_head = head in ("multivector", "m3")  # heads of no family's checkpoint names: read here
+    family_head = "none" if own_head else head
+
+    def with_head(config: EncoderConfig, family, hf, head) -> EncoderConfig:
+        config = family_with_head(config, family, hf, family_head)
+        if head == "m3":
+            return config.replace(head="m3")
+        return config if projection is None else config.replace(head="multivector", vector_dim=len(projection))
+
     with_head(config, family, hf, head)  # refuses a head config.json cannot describe before any weights are read
     longest = config.position_limit or config.max_positions
-    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
+    pooling, max_length = read_sentence_transformers_settings(directory, hf, longest,
+                                                              "none" if head == "m3" else head, dropped=drop_head)
+    if head == "m3":
+        pooling = pooling_settings("cls", normalize=True)  # FlagEmbedding's dense embedding
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
     if before_weights is not None:
         before_weights(with_head(config, family, hf, head))
@@ -370,8 +391,15 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_names(tensors, family)
-    found = map_head_tensors(family, head, tensors, ignored, family.prefix, ours, back)
+    found = map_head_tensors(family, family_head, tensors, ignored, family.prefix, ours, back)
     ours, back, unused = {**ours, **found.ours}, {**back, **found.back}, unused + found.unused
+    if projection is not None:
+        ours["head.out.weight"] = torch.from_numpy(projection)
+        back["head.out.weight"] = f"{PYLATE_DENSE} linear.weight"
+    if head == "m3":
+        found_m3 = read_m3_head(directory, config.d_model)
+        ours.update(found_m3)
+        back.update({name: f"{name.replace('head.', '')}_linear.pt {name.rsplit('.', 1)[1]}" for name in found_m3})
     ignored = [n for n in ignored if n not in found.seen]
     heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
     tasks = [a for a in source["architectures"] if a.endswith(TASK_ARCHITECTURES)
@@ -388,7 +416,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     source["ignored_tensors"] = ignored
     config = with_head(family.config(hf, config.name, source), family, hf, head)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
-                          name_in_checkpoint=lambda n: (head_name_in_checkpoint(family, head, n)
+                          name_in_checkpoint=lambda n: (head_name_in_checkpoint(family, family_head, n)
                                                         or family.name_in_checkpoint(n)))
     tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(
@@ -397,7 +425,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
         pooling=pooling,
         max_length=max_length,
-        task=task_from_checkpoint(directory, hf, config),
+        task=(colbert_task(directory, config) if projection is not None else m3_task(directory, config)
+              if head == "m3" else task_from_checkpoint(directory, hf, config)),
         dense=dense,
         **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )

@@ -12,7 +12,8 @@ from model.mask_kinds import MASK_INPUTS
 
 # The two outputs of every graph; a model with a task head (config.head) has a third, `head_output`.
 OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
-HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding"}
+HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding", "multivector": "token_vectors",
+                     "m3": "m3_tokens"}
 
 
 def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
@@ -32,11 +33,16 @@ def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, st
 
 def head_output(config: EncoderConfig) -> tuple[str, str, tuple[str | int, ...]] | None:
     """(name, dtype, dims) of the task head's output, or None for a headless model: raw classification
-    logits [batch, num_labels], or SPLADE's sparse_embedding [batch, vocab_size] (model/heads.py)."""
+    logits [batch, num_labels], SPLADE's sparse_embedding [batch, vocab_size], or ColBERT's token_vectors
+    [batch, sequence, vector_dim] (model/heads.py)."""
     if config.head == "classification":
         return HEAD_OUTPUT_NAMES["classification"], "float32", ("batch", config.num_labels)
     if config.head == "sparse":
         return HEAD_OUTPUT_NAMES["sparse"], "float32", ("batch", config.vocab_size)
+    if config.head == "multivector":
+        return HEAD_OUTPUT_NAMES["multivector"], "float32", ("batch", "sequence", config.vector_dim)
+    if config.head == "m3":
+        return HEAD_OUTPUT_NAMES["m3"], "float32", ("batch", "sequence", config.d_model + 1)
     return None
 
 

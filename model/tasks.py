@@ -6,11 +6,24 @@ Torch-free: the exporter writes it, the server reads it (docs/export-format.md "
    "activation": "sigmoid" | "softmax" | "none", "pair": true}   (as text-embeddings-inference decides)
   {"kind": "classify", ...the same fields}                      classification head of > 1 label
   {"kind": "sparse", "output": "sparse_embedding"}              SPLADE head
+  {"kind": "multivector", "output": "token_vectors",             late interaction (ColBERT, PyLate checkpoints):
+   "query_marker_id": 30 | null, "document_marker_id": 31 | null,  one L2-normalised vector per token
+   "query_length": 32, "document_length": 180,
+   "query_expansion": true, "attend_to_expansion_tokens": false,
+   "expansion_id": 103, "skiplist_ids": [...]}
+  {"kind": "m3", "output": "m3_tokens", "unused_ids": [0, 1, 2, 3]}  bge-m3: dense, lexical weights, ColBERT
 
 "activation" turns logits into scores when a client does not ask for raw ones: a sentence-transformers
 CrossEncoder's own activation_fn when it names one, else the checkpoint's problem_type, else sigmoid for one
 label and softmax for more. "pair": the model takes a text or a text pair (a pair is tokenized as the
 tokenizer's post-processor joins two texts, with token_type_ids where the family has them).
+
+"multivector" (PyLate's ColBERT.tokenize and encode): a text is tokenized to at most (query|document)_length
+tokens, its marker (PyLate's query_prefix / document_prefix token, when it has one) counted and put right after
+the first token. With query_expansion a query is padded with expansion_id ([MASK]) up to query_length; the padding
+is answered (every query vector counts) but attended to only with attend_to_expansion_tokens. A document loses the
+vectors of its skiplist_ids tokens (PyLate's skiplist_words: punctuation). Score: MaxSim, the sum over the query's
+vectors of the largest dot product with a document's vectors (PyLate's colbert_scores).
 """
 
 from __future__ import annotations
@@ -20,7 +33,12 @@ from typing import Any, Mapping, Sequence
 from model.config import EncoderConfig
 from model.signature import head_output
 
-TASK_KINDS = ("embed", "rerank", "classify", "sparse")
+TASK_KINDS = ("embed", "rerank", "classify", "sparse", "multivector", "m3")
+# a multivector task's fields besides kind and output: name -> the types it may hold (None: null allowed)
+MULTIVECTOR_FIELDS: Mapping[str, tuple] = {
+    "query_marker_id": (int, type(None)), "document_marker_id": (int, type(None)), "query_length": (int,),
+    "document_length": (int,), "query_expansion": (bool,), "attend_to_expansion_tokens": (bool,),
+    "expansion_id": (int,), "skiplist_ids": (list,)}
 SCORE_ACTIVATIONS = ("sigmoid", "softmax", "none")
 EMBED: Mapping[str, Any] = {"kind": "embed"}
 # sentence-transformers' CrossEncoder stores activation_fn as a class path (torch.nn.modules.activation.Sigmoid,
@@ -68,6 +86,9 @@ def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, acti
         return dict(EMBED)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
+    if config.head in ("multivector", "m3"):
+        raise TaskError(f"a {config.head} task needs its checkpoint's settings (model/hf_colbert.py colbert_task, "
+                        f"model/hf_m3.py m3_task)")
     labels = default_labels(config.num_labels) if labels is None else [str(v) for v in labels]
     return check_task({"kind": "rerank" if config.num_labels == 1 else "classify", "output": head[0],
                        "labels": labels, "activation": activation or score_activation(config.num_labels),
@@ -82,7 +103,7 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
                         f"{', '.join(TASK_KINDS)}")
     head = head_output(config)
     kind = task["kind"]
-    expected = "embed" if head is None else "sparse" if config.head == "sparse" else \
+    expected = "embed" if head is None else config.head if config.head in ("sparse", "multivector", "m3") else \
         "rerank" if config.num_labels == 1 else "classify"
     if kind != expected:
         raise TaskError(f"task kind {kind!r} does not fit head={config.head!r} with num_labels={config.num_labels} "
@@ -97,4 +118,27 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
             raise TaskError(f"task activation {task.get('activation')!r} is not one of {', '.join(SCORE_ACTIVATIONS)}")
         if not isinstance(task.get("pair"), bool):
             raise TaskError(f"task pair {task.get('pair')!r} is not true or false")
+    if config.head == "multivector":
+        check_multivector(task, config)
+    if config.head == "m3":
+        ids = task.get("unused_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids):
+            raise TaskError(f"task unused_ids {ids!r} are not token ids within the vocabulary")
     return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in task.items()}
+
+
+def check_multivector(task: Mapping[str, Any], config: EncoderConfig) -> None:
+    """A multivector task's fields: each present with its type, lengths within the model's positions, ids within
+    its vocabulary; a TaskError naming the field otherwise."""
+    for name, types in MULTIVECTOR_FIELDS.items():
+        value = task.get(name, ...)
+        if value is ... or not isinstance(value, types) or (isinstance(value, int) and isinstance(value, bool)
+                                                             and bool not in types):
+            raise TaskError(f"task {name} {None if value is ... else value!r} is missing or not "
+                            f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}")
+    for name in ("query_length", "document_length"):
+        if not 2 <= task[name] <= config.max_positions:
+            raise TaskError(f"task {name} {task[name]} is outside 2..{config.max_positions} (the model's positions)")
+    ids = [task["query_marker_id"], task["document_marker_id"], task["expansion_id"], *task["skiplist_ids"]]
+    if not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids if i is not None):
+        raise TaskError(f"task token ids {ids} are not all within the vocabulary (0..{config.vocab_size - 1})")

@@ -55,14 +55,17 @@ def probe(backend: Backend, export: ExportDir) -> None:
     rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
     head = head_output(config)  # the per-row output: a head's, else the mean embedding
-    want_hidden, want_pooled = (rows, length, config.d_model), (rows, config.d_model if head is None else head[2][1])
+    if export.task in ("multivector", "m3"):  # its head's output is read as the hidden states; the mean beside it
+        head = None
+    want_hidden = (rows, length, export.hidden_width)
+    want_pooled = (rows, config.d_model if head is None else head[2][1])
     if tuple(hidden.shape) != want_hidden or tuple(pooled.shape) != want_pooled:
         raise BackendError(
             f"{export.graph_path}: probe inference gave shapes {list(hidden.shape)} / {list(pooled.shape)}, "
             f"metadata.json config says {list(want_hidden)} / {list(want_pooled)}; graph and metadata do not match"
         )
     embeddings = project(pooled, export.dense) if head is None else pooled
-    if head is None and embeddings.shape != (rows, export.embedding_width):
+    if head is None and export.task not in ("multivector", "m3") and embeddings.shape != (rows, export.embedding_width):
         raise BackendError(f"{export.path}: the projection after pooling gave embeddings of shape "
                            f"{list(embeddings.shape)}, metadata.json says [{rows}, {export.embedding_width}]")
     if not (np.isfinite(hidden).all() and np.isfinite(embeddings).all()):

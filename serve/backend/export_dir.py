@@ -18,6 +18,9 @@ from model.export_format import FORMAT, METADATA_FILE, Metadata
 from model.projection import Dense
 from serve.errors import BackendError
 
+# tasks whose head answers per token: read as the hidden states (`hidden_output`)
+PER_TOKEN_TASKS = ("multivector", "m3")
+
 
 class ExportError(export_format.ExportError, BackendError):
     """The format's ExportError (model/export_format.py), raised where the server reads an export."""
@@ -68,14 +71,29 @@ class ExportDir:
 
     @functools.cached_property
     def task(self) -> str:
-        """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse."""
+        """What the model does (metadata.json "task" kind, serve/core/tasks/): embed, rerank, classify, sparse, multivector, m3."""
         return str(self.metadata.task.get("kind", "embed"))
 
     @functools.cached_property
     def row_output(self) -> str:
         """The graph output the server reads per row beside the hidden states: the head's (metadata.json
-        "task" output), else the mean-pooled embedding."""
+        "task" output), else the mean-pooled embedding (a multivector model's head output is per token: it is
+        read as the hidden states, `hidden_output`)."""
+        if self.task in PER_TOKEN_TASKS:
+            return "mean_pooled"
         return str(self.metadata.task.get("output") or "mean_pooled")
+
+    @functools.cached_property
+    def hidden_output(self) -> str:
+        """The graph output the server reads per token: the last hidden states, or the per-token head output of
+        a multivector model (token vectors [B, T, vector_dim]) or of bge-m3 (m3_tokens [B, T, D + 1]): what its
+        hidden states are to every verb."""
+        return str(self.metadata.task["output"]) if self.task in PER_TOKEN_TASKS else "last_hidden_state"
+
+    @functools.cached_property
+    def hidden_width(self) -> int:
+        """The width of `hidden_output`: d_model, a multivector model's vector_dim, bge-m3's d_model + 1."""
+        return {"multivector": self.config.vector_dim, "m3": self.config.d_model + 1}.get(self.task, self.config.d_model)
 
     @functools.cached_property
     def embedding_width(self) -> int:

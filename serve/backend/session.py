@@ -111,8 +111,9 @@ class OnnxRuntimeBackend:
 
         self.export = export
         self.config = export.config
-        # the hidden states and the per-row output: the mean embedding, or the model's head (its task)
-        self.outputs = ("last_hidden_state", export.row_output)
+        # the hidden states (a multivector model's token vectors) and the per-row output: the mean embedding, or
+        # the model's head (its task)
+        self.outputs = (export.hidden_output, export.row_output)
         available = offered_providers(ort.get_available_providers())
         providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
         options = ort.SessionOptions()

@@ -54,6 +54,7 @@ class TextTokenizer:
         self.overlap = max_length // 8
         self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
         self.max_length = max_length
+        self._file, self._config, self._limited = tokenizer_file, config, {max_length: self}
         vocab = self._full.get_vocab_size(with_added_tokens=True)
         if vocab > config.vocab_size:
             raise ExportError(
@@ -65,6 +66,14 @@ class TextTokenizer:
             raise ExportError(
                 f"{tokenizer_file}: a single text gets token type ids {probe.type_ids}; this server feeds zeros"
             )
+
+    def limited(self, max_length: int) -> "TextTokenizer":
+        """This tokenizer with another max_length (a ColBERT's query and document lengths), made once per
+        length (two threads may both make one: either serves)."""
+        found = self._limited.get(max_length)
+        if found is None:
+            found = self._limited[max_length] = TextTokenizer(self._file, max_length, self._config)
+        return found
 
     @classmethod
     def from_export(cls, export: ExportDir) -> "TextTokenizer | None":

@@ -80,6 +80,8 @@ def encode_task(msg: "pb.EncodeRequest", engine) -> EncodeTask:
         request_id=msg.request_id,
         encodings=() if encoding == "float" else (encoding,),
         encoding_field="output.encoding",
+        is_query=bool(msg.is_query),
+        maxsim_query=msg.maxsim_query if msg.HasField("maxsim_query") else None,
     )
 
 
@@ -93,7 +95,9 @@ def response_to_proto(result: EncodeResult, engine, received: float) -> "pb.Enco
             item.hidden_states.CopyFrom(from_numpy(out.hidden_states))
         if out.embedding is not None:
             item.embedding.CopyFrom(from_numpy(embeddings[i]))
-        if out.scores is not None:
+        if out.scores is not None and engine.task == "multivector":  # MaxSim against EncodeRequest.maxsim_query
+            item.maxsim_score = float(out.scores[0])
+        elif out.scores is not None:
             item.scores.CopyFrom(from_numpy(out.scores))
         results.append(item)
     return pb.EncodeResponse(request_id=result.request_id, results=results,

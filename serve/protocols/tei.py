@@ -5,6 +5,7 @@ and ranker, LangChain's HuggingFaceEndpointEmbeddings):
   POST /embed         {inputs: str | [str] | [ids] | [[ids]], normalize=true, truncate, truncation_direction,
                        prompt_name, dimensions}                                -> [[float]]
   POST /embed_all     {inputs, truncate, truncation_direction, prompt_name}    -> [[[float]]] (per token)
+                      (a late-interaction model: its token vectors; ours: is_query=false, true for a query)
   POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name}    -> [[{index, value}]]
   POST /rerank        {query, texts, raw_scores, return_text, truncate, truncation_direction}
                                                       -> [{index, score, text?}], highest score first
@@ -112,7 +113,8 @@ def embed_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
 def embed_all(api: Api, rpc, call: HttpCall) -> None:
     """Per-token hidden states of texts or token ids."""
     def submit(engine):
-        task = encode.EncodeTask(_inputs(call.body), hidden_states=True, pooling="none")
+        task = encode.EncodeTask(_inputs(call.body), hidden_states=True, pooling="none",
+                                 is_query=fields.flag(call.body, "is_query"))
         return encode.submit(engine, task, rpc.deadline)
 
     start_task(api, "tei.EmbedAll", rpc, call.model, "encode", call.verbs, submit,

@@ -10,14 +10,20 @@ request (the defaults and limits it declares, once), its result, and the verb th
                                                         Cohere /v1|v2/embed)
   sparse     sparse.py    SparseTask -> SparseVectors   sparse: SPLADE weights (TEI /embed_sparse, EmbedSparse)
   rerank     rerank.py    RerankTask -> Ranking         rerank: a query against documents (TEI /rerank,
-                                                        Cohere/Jina /v1|v2/rerank, infinity /rerank, Rerank)
+                                                        Cohere/Jina /v1|v2/rerank, infinity /rerank, Rerank);
+                                                        multivector: the same, scored by MaxSim
+  (encode)   multivector.py                             multivector: each text's token vectors, as the
+                                                        ColBERT computes them (the encode verb's hidden
+                                                        states on such a model); MaxSim (rerank.py)
+  (all)      m3.py                                      m3 (bge-m3): embed its dense embedding, sparse its
+                                                        lexical weights, encode its ColBERT vectors
   classify   classify.py  ClassifyTask -> Predictions   rerank, classify: each label's score of texts or pairs
                                                         (TEI /predict, infinity /classify, Classify)
   tokenize   tokens.py    TokenizeTask -> tokens        any model with a tokenizer (TEI /tokenize, /decode,
              (decode)     DecodeTask -> texts           Tokenize)
 
 A model's task is one word from model to serve: metadata.json's "task" kind (model/tasks.py: embed, rerank,
-classify, sparse), written by the exporter from the checkpoint's head, is the word the verbs serve. Every
+classify, sparse, multivector), written by the exporter from the checkpoint's head, is the word the verbs serve. Every
 protocol adapter (serve/protocols/) turns its vendor's shape into one of these requests and the result back
 into its vendor's shape, and nothing else; the route table (serve/protocols/routes.py) says which verb a
 route runs, so a route that does not fit a model's task is refused (`check`) naming the routes that do.
@@ -42,13 +48,16 @@ DESCRIBED = {
     "rerank": "a re-ranker (a cross-encoder: one score per query-document pair)",
     "classify": "a classifier",
     "sparse": "a sparse (SPLADE) embedding model",
+    "multivector": "a late-interaction (ColBERT) model: token vectors, MaxSim scores",
+    "m3": "a bge-m3 model: dense embeddings, lexical weights, ColBERT vectors",
 }
 # each verb -> the model tasks it serves
 SERVES: Mapping[str, tuple[str, ...]] = {
-    "encode": TASKS,  # per-token hidden states (and what else the model answers): every model has them
-    "embed": ("embed",),
-    "sparse": ("sparse",),
-    "rerank": ("rerank",),
+    "encode": TASKS,  # per-token hidden states (and what else the model answers): every model has them; a
+    # multivector model's are its token vectors (multivector.py)
+    "embed": ("embed", "m3"),  # bge-m3's dense embedding (m3.py)
+    "sparse": ("sparse", "m3"),  # bge-m3's lexical weights
+    "rerank": ("rerank", "multivector"),  # a ColBERT ranks by MaxSim (multivector.py)
     "classify": ("rerank", "classify"),  # a cross-encoder's one label is a classifier's too (TEI /predict)
     "tokenize": TASKS,
 }

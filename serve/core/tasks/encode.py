@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from serve.core import encodings as encoding_rules
 from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
 from serve.core.requests import EncodeResult, MaskChoice, Work
-from serve.core.tasks import DESCRIBED, Pending
-from serve.core.tasks.inputs import Inputs, text_rows
+from serve.core.tasks import DESCRIBED, Pending, m3, multivector
+from serve.core.tasks.inputs import Inputs, non_empty, present, text_rows
 from serve.errors import ValidationError
 
 
@@ -39,12 +39,23 @@ class EncodeTask:
     encodings: tuple[str, ...] = ()  # output encodings of the pooled embeddings (serve/core/encodings.py);
     #                                  (): float only, the embeddings as they are
     encoding_field: str = "encoding"  # what errors name it: the protocol's field
+    is_query: bool = False  # a multivector model: the texts are queries (expanded), else documents
+    maxsim_query: str | None = None  # a multivector model: each text (a document) scored by MaxSim against it
 
 
 def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding: bool = False) -> Pending:
     """Checks `task` against the model, admits its rows; the Pending's result is an EncodeResult (its embeddings
     cut to `dimensions`, a chunked text's windows pooled back). `embedding`: the caller needs a pooled
     embedding (the embed verb): a "none" default pooling means mean."""
+    if engine.task == "multivector":
+        return _token_vectors(engine, task, deadline, embedding)
+    if engine.task == "m3":
+        return _m3(engine, task, deadline, embedding)
+    for name in ("is_query", "maxsim_query"):
+        if getattr(task, name) not in (False, None):
+            raise ValidationError(f"{name}: model {engine.name!r} is {DESCRIBED[engine.task]} (task {engine.task!r}); "
+                                  f"only a late-interaction (ColBERT) model (task 'multivector') has queries, "
+                                  f"documents and MaxSim")
     if engine.task != "embed":
         if task.pooling in ("mean", *FROM_HIDDEN) or embedding:
             raise ValidationError(
@@ -107,7 +118,80 @@ def finish(result: EncodeResult, work: Work, dimensions: int | None,
     if dimensions is not None and result.embeddings is not None:
         result = dataclasses.replace(
             result, embeddings=truncate_dimensions(result.embeddings, dimensions, work.normalize))
+    return encoded(result, encodings)
+
+
+def encoded(result: EncodeResult, encodings: tuple[str, ...]) -> EncodeResult:
+    """The result with its pooled embeddings in each of `encodings` (none asked, or no embeddings: as it is)."""
     if encodings and result.embeddings is not None:
         result = dataclasses.replace(
             result, encoded={name: encoding_rules.encode(result.embeddings, name) for name in encodings})
     return result
+
+
+def _token_vectors(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pending:
+    """A multivector model's answer: each text's token vectors as its hidden states (multivector.py)."""
+    if embedding or task.pooling not in ("", "none") or task.dimensions is not None or task.chunk:
+        raise ValidationError(f"pooling: model {engine.name!r} is {DESCRIBED['multivector']}; it answers one vector "
+                              f"per token (hidden states), not a pooled embedding: leave pooling, dimensions and "
+                              f"chunk unset")
+    if not task.inputs.texts:
+        raise ValidationError(f"sequences: model {engine.name!r} is {DESCRIBED['multivector']}; send texts (its "
+                              f"queries and documents get their markers and expansion from its tokenizer)")
+    if task.mask.kind is not None or task.mask.custom is not None:
+        raise ValidationError(f"mask: model {engine.name!r} is {DESCRIBED['multivector']}; its queries and documents "
+                              f"attend as the model was trained to: send no mask")
+    quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
+    if quantized:
+        raise ValidationError(f"{task.encoding_field}: {quantized[0]} encodes a pooled embedding; model "
+                              f"{engine.name!r} is {DESCRIBED['multivector']} and answers token vectors: ask for float")
+    if task.maxsim_query is None:
+        if not task.hidden_states:
+            raise ValidationError(f"hidden_states: model {engine.name!r} is {DESCRIBED['multivector']}; ask for its "
+                                  f"token vectors (hidden_states) or for MaxSim scores against a query (maxsim_query)")
+        return multivector.submit(engine, task.inputs.texts, task.is_query, task.inputs.text, task.request_id,
+                                  deadline)
+    if task.is_query:
+        raise ValidationError("is_query: with maxsim_query the texts are the documents; leave is_query unset")
+    present(task.maxsim_query, "maxsim_query")
+
+    def finish(scores, documents: EncodeResult) -> EncodeResult:  # the scores as each row's one `scores` value
+        return dataclasses.replace(documents, scores=scores[:, None],
+                                   hidden_states=documents.hidden_states if task.hidden_states else None)
+
+    return multivector.rank(engine, task.maxsim_query, non_empty(task.inputs.texts, "texts"), task.inputs.text,
+                            task.request_id, "texts", deadline, finish)
+
+
+def _m3(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pending:
+    """bge-m3 (m3.py): its dense embedding as the pooled embedding (pooling first, the model's default), its
+    ColBERT vectors as the hidden states."""
+    described = f"model {engine.name!r} is {DESCRIBED['m3']}"
+    if not task.inputs.texts:
+        raise ValidationError(f"sequences: {described}; send texts")
+    if task.mask.kind is not None or task.mask.custom is not None or task.chunk:
+        raise ValidationError(f"mask: {described}; it is encoded as trained: send no mask, no chunk")
+    if task.normalize is False:
+        raise ValidationError(f"normalize: {described}; its dense embedding is L2-normalised in its graph")
+    pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
+    if pooling not in ("none", "first"):
+        raise ValidationError(f"pooling: {described}; its dense embedding is its first token's (pooling first)")
+    if task.dimensions is not None:
+        if pooling == "none":
+            raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
+        check_dimensions(task.dimensions, engine.embedding_width)
+    check_encodings(task, pooling, True)
+    rows = text_rows(engine, task.inputs)
+    work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)
+
+    def answer(engine, result: EncodeResult, sequences) -> EncodeResult:
+        out = m3.colbert(engine, result, sequences) if task.hidden_states else \
+            dataclasses.replace(result, hidden_states=None)
+        if pooling == "first":
+            dense = m3.dense(engine, result, sequences).embeddings
+            if task.dimensions is not None:
+                dense = truncate_dimensions(dense, task.dimensions, True)
+            out = encoded(dataclasses.replace(out, embeddings=dense), task.encodings)
+        return out
+
+    return m3.submit(engine, work, answer, deadline)

@@ -2,7 +2,8 @@
 Cohere's and Jina's /v1/rerank and /v2/rerank, infinity's /rerank, encoder.v1 Rerank). Each pair is one row
 (the query first); with `truncate` only the document is ever cut, and a query too long to pair with any
 document is refused naming it. Scores are the head's one logit through the export's activation (or raw);
-the ranking is highest score first, equal scores in document order, the first `top_n`.
+the ranking is highest score first, equal scores in document order, the first `top_n`. A late-interaction
+(multivector) model scores each document by MaxSim against the query (multivector.py), raw.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serve.core.requests import EncodeResult, Work
-from serve.core.tasks import Pending
+from serve.core.tasks import Pending, multivector
 from serve.core.tasks.classify import activate, activation_of
 from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, present, tokenizer
 from serve.errors import ValidationError
@@ -51,6 +52,9 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
             raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
         text = tokenizer(engine, field)
         documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
+    if engine.task == "multivector":  # MaxSim of token vectors (multivector.py); the scores are raw
+        return multivector.rank(engine, task.query, documents, task.text, task.request_id, field, deadline,
+                                lambda scores, documents: Ranking(scores, ranking(scores, task.top_n), documents))
     rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
                      count_field=field)
     work = Work(rows.sequences, scores=True, request_id=task.request_id, types=rows.types, truncated=rows.truncated)

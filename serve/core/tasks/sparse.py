@@ -1,5 +1,5 @@
 """The sparse verb: a SPLADE model's weight per vocabulary entry, answered as each input's non-zero entries
-(TEI's /embed_sparse, encoder.v1 EmbedSparse)."""
+(TEI's /embed_sparse, encoder.v1 EmbedSparse); bge-m3's lexical weights (m3.py) in the same shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from serve.core.requests import EncodeResult, Work
-from serve.core.tasks import Pending
+from serve.core.tasks import DESCRIBED, Pending, m3
+from serve.errors import ValidationError
 from serve.core.tasks.inputs import Inputs, text_rows
 
 
@@ -29,6 +30,13 @@ class SparseVectors:
 
 def submit(engine, task: SparseTask, deadline: float | None = None) -> Pending:
     inputs = task.inputs
+    if engine.task == "m3":  # bge-m3's lexical weights (m3.py)
+        if not inputs.texts:
+            raise ValidationError(f"sequences: model {engine.name!r} is {DESCRIBED['m3']}; send texts")
+        rows = text_rows(engine, inputs)
+        work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)
+        return m3.submit(engine, work, lambda engine, result, sequences: SparseVectors(
+            m3.lexical(engine, result, sequences), result), deadline)
     if inputs.texts:
         rows = text_rows(engine, inputs)
         work = Work(rows.sequences, scores=True, request_id=task.request_id, truncated=rows.truncated)
