@@ -45,8 +45,9 @@ from model.encoder import Encoder
 from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file, write_dense
 from model.hf_dense import ST_DENSE, read_dense_modules
 from model.hf_family import Family
-from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_splade_pooling, check_transformer_task,
-                            detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint, with_head)
+from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, answer_token_ids, check_splade_pooling,
+                            check_transformer_task, detect_head, head_name_in_checkpoint, map_head_tensors,
+                            task_from_checkpoint, with_head)
 from model.projection import Dense
 from model.tasks import EMBED
 
@@ -101,10 +102,12 @@ ST_LAYOUTS: Mapping[str, tuple[list[str], ...]] = {
     "none": ([ST_POOLING], [ST_NORMALIZE, ST_POOLING]),
     "sparse": ([ST_SPLADE_POOLING],),
     "classification": ([],),
+    "answer_tokens": ([],),
 }
 ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Dense modules, + Normalize)",
                    "sparse": "one SpladePooling module (a SparseEncoder)",
-                   "classification": "no other module (a CrossEncoder)"}
+                   "classification": "no other module (a CrossEncoder)",
+                   "answer_tokens": "no other module (an LLM reranker)"}
 
 
 def _module_kind(kind: str | None) -> str | None:
@@ -333,7 +336,7 @@ def _check_dense_place(modules_file: Path, kinds: list[str | None], head: str) -
 
 
 def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
-                    head: str | None = None,
+                    head: str | None = None, reranker_template: str | None = None,
                     before_weights: Callable[[EncoderConfig], None] | None = None) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
     pooling, max length, task, the Dense projection after pooling).
@@ -344,7 +347,9 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
     not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
     tensors unless `drop_head`. `before_weights(config)` runs just before the weights are read (the exporter's
-    memory check: a checkpoint too big for the host is refused without reading it)."""
+    memory check: a checkpoint too big for the host is refused without reading it). `reranker_template` (a name
+    in model/tasks.py RERANK_TEMPLATES) loads a *ForCausalLM checkpoint as an LLM reranker: the answer_tokens
+    head, the lm_head rows of the template's answer tokens."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -353,13 +358,15 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     model_type = hf.get("model_type")
     family = family_for(model_type, hf.get("architectures") or [])
     config = family.config(hf, name or _default_name(directory), {})
-    head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
-    with_head(config, family, hf, head)  # refuses a head config.json cannot describe before any weights are read
+    head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head, reranker_template)
+    tokenizer_file = directory / TOKENIZER_FILE
+    answers = answer_token_ids(tokenizer_file, reranker_template) if head == "answer_tokens" else ()
+    with_head(config, family, hf, head, answers)  # refuses a head config.json cannot describe before any weights are read
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights
     if before_weights is not None:
-        before_weights(with_head(config, family, hf, head))
+        before_weights(with_head(config, family, hf, head, answers))
     tensors, weights_file = read_hf_weights(directory)
     source = {
         "format": family.source_format(model_type),
@@ -370,7 +377,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_names(tensors, family)
-    found = map_head_tensors(family, head, tensors, ignored, family.prefix, ours, back)
+    found = map_head_tensors(family, head, tensors, ignored, family.prefix, ours, back, rows=answers,
+                             tied=head != "answer_tokens" or bool(hf.get("tie_word_embeddings")))
     ours, back, unused = {**ours, **found.ours}, {**back, **found.back}, unused + found.unused
     ignored = [n for n in ignored if n not in found.seen]
     heads = [n for n in ignored if n.startswith(TASK_HEAD_PREFIXES)]
@@ -386,18 +394,17 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     if heads or tasks:
         source["dropped_head"] = heads
     source["ignored_tensors"] = ignored
-    config = with_head(family.config(hf, config.name, source), family, hf, head)
+    config = with_head(family.config(hf, config.name, source), family, hf, head, answers)
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
                           name_in_checkpoint=lambda n: (head_name_in_checkpoint(family, head, n)
                                                         or family.name_in_checkpoint(n)))
-    tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(
         config=config,
         encoder=encoder,
         tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
         pooling=pooling,
         max_length=max_length,
-        task=task_from_checkpoint(directory, hf, config),
+        task=task_from_checkpoint(directory, hf, config, reranker_template),
         dense=dense,
         **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )

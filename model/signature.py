@@ -12,7 +12,7 @@ from model.mask_kinds import MASK_INPUTS
 
 # The two outputs of every graph; a model with a task head (config.head) has a third, `head_output`.
 OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
-HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding"}
+HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding", "answer_tokens": "logits"}
 
 
 def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
@@ -37,6 +37,8 @@ def head_output(config: EncoderConfig) -> tuple[str, str, tuple[str | int, ...]]
         return HEAD_OUTPUT_NAMES["classification"], "float32", ("batch", config.num_labels)
     if config.head == "sparse":
         return HEAD_OUTPUT_NAMES["sparse"], "float32", ("batch", config.vocab_size)
+    if config.head == "answer_tokens":  # one logit: the answer tokens' (model/heads.py AnswerTokenHead)
+        return HEAD_OUTPUT_NAMES["answer_tokens"], "float32", ("batch", 1)
     return None
 
 

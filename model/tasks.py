@@ -6,11 +6,21 @@ Torch-free: the exporter writes it, the server reads it (docs/export-format.md "
    "activation": "sigmoid" | "softmax" | "none", "pair": true}   (as text-embeddings-inference decides)
   {"kind": "classify", ...the same fields}                      classification head of > 1 label
   {"kind": "sparse", "output": "sparse_embedding"}              SPLADE head
+  {"kind": "rerank", "output": "logits", "labels": ["yes"],       an LLM reranker (answer_tokens head), whose
+   "activation": "sigmoid", "pair": true, "template": {...}}     texts go through its prompt template
 
 "activation" turns logits into scores when a client does not ask for raw ones: a sentence-transformers
 CrossEncoder's own activation_fn when it names one, else the checkpoint's problem_type, else sigmoid for one
 label and softmax for more. "pair": the model takes a text or a text pair (a pair is tokenized as the
 tokenizer's post-processor joins two texts, with token_type_ids where the family has them).
+
+"template" (an LLM reranker: Qwen3-Reranker): how a query and a document become the one text the model reads,
+as its model card builds it: {"name", "prefix", "body", "suffix", "instruction", "answers", "answer_ids"}. A row
+is tokens(prefix) + tokens(body) + tokens(suffix), each tokenized alone without special tokens; body holds
+{query} and {document} once each and may hold {instruction} (a request's, else "instruction", the default).
+Only the document's tokens are ever cut. "answers" are the answer tokens (the positive one last) and
+"answer_ids" their vocabulary ids, the head's head_tokens: the score is softmax over their logits at the last
+token, taken at the last answer (sigmoid of the head's one logit).
 """
 
 from __future__ import annotations
@@ -23,6 +33,20 @@ from model.signature import head_output
 TASK_KINDS = ("embed", "rerank", "classify", "sparse")
 SCORE_ACTIVATIONS = ("sigmoid", "softmax", "none")
 EMBED: Mapping[str, Any] = {"kind": "embed"}
+# LLM rerankers' prompt templates by name (export --reranker-template), each as its model card writes it.
+RERANK_TEMPLATES: Mapping[str, Mapping[str, Any]] = {
+    # Qwen/Qwen3-Reranker-0.6B (4B, 8B alike): P("yes") of softmax over the "no" and "yes" logits
+    "qwen3": {
+        "prefix": "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+                  "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                  "<|im_start|>user\n",
+        "body": "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+        "suffix": "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "instruction": "Given a web search query, retrieve relevant passages that answer the query",
+        "answers": ["no", "yes"],
+    },
+}
+TEMPLATE_TEXTS = ("prefix", "body", "suffix", "instruction")
 # sentence-transformers' CrossEncoder stores activation_fn as a class path (torch.nn.modules.activation.Sigmoid,
 # torch.nn.modules.linear.Identity, ...): its class name -> our activation.
 ST_ACTIVATION_CLASSES: Mapping[str, str] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
@@ -60,12 +84,26 @@ def labels_of(task: Mapping[str, Any], num_labels: int) -> list[str]:
     return [str(v) for v in task.get("labels") or ()] or default_labels(num_labels)
 
 
-def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None) -> dict:
+def template_entry(name: str, answer_ids: Sequence[int]) -> dict:
+    """The task's "template" of RERANK_TEMPLATES[name] with its answers' vocabulary ids."""
+    if name not in RERANK_TEMPLATES:
+        raise TaskError(f"reranker template {name!r} is not one of {', '.join(RERANK_TEMPLATES)}")
+    return {"name": name, **RERANK_TEMPLATES[name], "answer_ids": [int(i) for i in answer_ids]}
+
+
+def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None,
+             template: Mapping[str, Any] | None = None) -> dict:
     """The "task" of a model with `config`: labels default to LABEL_0, LABEL_1, ... and the activation to
-    score_activation(num_labels)."""
+    score_activation(num_labels); an answer_tokens head's (an LLM reranker) is a rerank task with its
+    `template` (template_entry), scored by sigmoid."""
     head = head_output(config)
     if head is None:
         return dict(EMBED)
+    if config.head == "answer_tokens":
+        if template is None:
+            raise TaskError("task template: an answer_tokens head needs its prompt template")
+        return check_task({"kind": "rerank", "output": head[0], "labels": [str(template["answers"][-1])],
+                           "activation": "sigmoid", "pair": True, "template": dict(template)}, config)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
     labels = default_labels(config.num_labels) if labels is None else [str(v) for v in labels]
@@ -89,7 +127,11 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
                         f"(expected {expected!r})")
     if head is not None and task.get("output") != head[0]:
         raise TaskError(f"task output {task.get('output')!r} is not the head's output {head[0]!r}")
-    if config.head == "classification":
+    if (config.head == "answer_tokens") != ("template" in task):
+        raise TaskError(f"task template goes with an answer_tokens head (an LLM reranker) only; head={config.head!r}")
+    if config.head == "answer_tokens":
+        check_template(task["template"], config)
+    if config.head in ("classification", "answer_tokens"):
         labels = task.get("labels")
         if not isinstance(labels, (list, tuple)) or len(labels) != config.num_labels:
             raise TaskError(f"task labels {labels!r} are not {config.num_labels} label name(s)")
@@ -97,4 +139,23 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
             raise TaskError(f"task activation {task.get('activation')!r} is not one of {', '.join(SCORE_ACTIVATIONS)}")
         if not isinstance(task.get("pair"), bool):
             raise TaskError(f"task pair {task.get('pair')!r} is not true or false")
-    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in task.items()}
+    return {k: (list(v) if isinstance(v, (list, tuple)) else dict(v) if isinstance(v, Mapping) else v)
+            for k, v in task.items()}
+
+
+def check_template(template: Any, config: EncoderConfig) -> None:
+    """An LLM reranker's "template" (module docstring) against its head; a TaskError naming the field."""
+    if not isinstance(template, Mapping):
+        raise TaskError(f"task template {template!r} is not an object")
+    for key in TEMPLATE_TEXTS:
+        if not isinstance(template.get(key), str):
+            raise TaskError(f"task template.{key} {template.get(key)!r} is not a text")
+    body = template["body"]
+    for field in ("{query}", "{document}"):
+        if body.count(field) != 1:
+            raise TaskError(f"task template.body {body!r} must hold {field} once")
+    answers, ids = template.get("answers"), template.get("answer_ids")
+    if not isinstance(answers, (list, tuple)) or not isinstance(ids, (list, tuple)) or len(answers) != len(ids) \
+            or [int(i) for i in ids] != list(config.head_tokens):
+        raise TaskError(f"task template answers {answers!r} / answer_ids {ids!r} are not the head's head_tokens "
+                        f"{list(config.head_tokens)}")

@@ -15,7 +15,8 @@ batch with every other request.
 
 from __future__ import annotations
 
-from typing import Sequence
+import re
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class TextTokenizer:
         self.overlap = max_length // 8
         self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
         self.max_length = max_length
+        self._ends: dict[tuple[str, str], tuple[list[int], list[int]]] = {}  # an LLM reranker's (encode_templated)
         vocab = self._full.get_vocab_size(with_added_tokens=True)
         if vocab > config.vocab_size:
             raise ExportError(
@@ -146,6 +148,59 @@ class TextTokenizer:
         return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
                 tuple(np.asarray(e.type_ids, dtype=np.int64) for e in encodings),
                 tuple(i in cut for i in range(len(encodings))))
+
+    def encode_templated(self, template: Mapping[str, Any], query: str, documents: Sequence[str], *,
+                         instruction: str | None = None, truncate: bool = False, direction: str = "right",
+                         fields: tuple[str, str] = ("query", "documents[{i}]"),
+                         ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...]]:
+        """An LLM reranker's rows (metadata.json task "template", model/tasks.py): tokens(prefix) +
+        tokens(body with the query, the document and the instruction, None: the template's) + tokens(suffix),
+        each tokenized alone without special tokens, as the model card's recipe does: (int64 ids per row,
+        whether each was cut). A row over max_length is refused naming its document, or with `truncate` has
+        only its document's tokens cut (from `direction`); a query that leaves a document no token is refused
+        naming it. `fields`: the query's and the documents' names ({i}: the document)."""
+        first, second = fields
+        prefix, suffix = self._template_ends(template["prefix"], template["suffix"])
+        values = {"instruction": template["instruction"] if instruction is None else instruction, "query": query}
+        before, after = (re.sub(r"\{(instruction|query)\}", lambda m: values[m.group(1)], part)
+                         for part in template["body"].split("{document}"))
+        budget = self.max_length - len(prefix) - len(suffix)  # the body's tokens
+        encodings = self._full.encode_batch([before + d + after for d in documents], add_special_tokens=False)
+        rows, cut = [], []
+        for i, (document, encoding) in enumerate(zip(documents, encodings)):
+            ids = encoding.ids
+            if len(ids) <= budget:
+                rows.append(np.asarray(prefix + ids + suffix, dtype=np.int64))
+                cut.append(False)
+                continue
+            # the document's tokens: those that start inside it (a token across its start counts as the query's)
+            end = len(before) + len(document)
+            lead = sum(1 for start, _ in encoding.offsets if start < len(before))
+            tail = sum(1 for start, _ in encoding.offsets if start >= end) if after else 0
+            keep = budget - lead - tail
+            if keep < 1:
+                raise ValidationError(
+                    f"{first}: too long to pair with any document within max_text_tokens={self.max_length} (the "
+                    f"template's {len(prefix) + len(suffix)} tokens and the instruction included; only the document "
+                    f"is ever cut); shorten it")
+            if not truncate:
+                raise ValidationError(
+                    f"{second.format(i=i)}: in the template with {first} it makes {len(prefix) + len(ids) + len(suffix)} "
+                    f"tokens, over max_text_tokens={self.max_length}; shorten it or set truncate=true (the document is "
+                    f"cut)")
+            body = ids[lead:len(ids) - tail]
+            body = body[:keep] if direction == "right" else body[len(body) - keep:]
+            rows.append(np.asarray(prefix + ids[:lead] + body + ids[len(ids) - tail:] + suffix, dtype=np.int64))
+            cut.append(True)
+        return tuple(rows), tuple(cut)
+
+    def _template_ends(self, prefix: str, suffix: str) -> tuple[list[int], list[int]]:
+        """A template's prefix and suffix tokens (without special tokens), tokenized once per template."""
+        key = (prefix, suffix)
+        if key not in self._ends:
+            self._ends[key] = tuple(self._full.encode(t, add_special_tokens=False).ids if t else []
+                                    for t in key)
+        return self._ends[key]
 
     def head(self, text: str, tokens: int) -> str:
         """`text` cut after its first `tokens` tokens (special tokens not counted): Cohere's max_tokens_per_doc."""

@@ -3,6 +3,12 @@ Cohere's and Jina's /v1/rerank and /v2/rerank, infinity's /rerank, encoder.v1 Re
 (the query first); with `truncate` only the document is ever cut, and a query too long to pair with any
 document is refused naming it. Scores are the head's one logit through the export's activation (or raw);
 the ranking is highest score first, equal scores in document order, the first `top_n`.
+
+An LLM reranker (Qwen3-Reranker; metadata.json task "template", model/tasks.py) reads each pair through its
+prompt template: prefix, "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}", suffix, with the
+request's `instruction` or the template's default one; its score is P("yes") (sigmoid of the head's logit, the
+"yes" logit minus the "no" one), its raw score that logit. `instruction` on a model without a template is
+refused naming it.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ import numpy as np
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending
 from serve.core.tasks.classify import activate, activation_of
-from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, present, tokenizer
-from serve.errors import ValidationError
+from serve.core.tasks.inputs import (TextOptions, non_empty, pair_rows, present, template_of, templated_rows,
+                                     tokenizer)
+from serve.errors import ValidationError, quote
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +35,7 @@ class RerankTask:
     max_tokens_per_doc: int | None = None  # each document cut to at most this many tokens first (Cohere v2)
     request_id: str = ""
     documents_field: str = "documents"  # how errors name the documents (TEI's: texts)
+    instruction: str | None = None  # an LLM reranker's task instruction; None: its template's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +59,15 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
             raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
         text = tokenizer(engine, field)
         documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
-    rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
-                     count_field=field)
+    if task.instruction is not None and template_of(engine) is None:
+        raise ValidationError(f"instruction: model {quote(engine.name)} is a cross-encoder without a prompt template; "
+                              "instruction fits an LLM reranker (an export with a reranker template); leave it out")
+    if template_of(engine) is not None:
+        rows = templated_rows(engine, task.query, documents, task.text, task.instruction,
+                              ("query", f"{field}[{{i}}]"), count_field=field)
+    else:
+        rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
+                         count_field=field)
     work = Work(rows.sequences, scores=True, request_id=task.request_id, types=rows.types, truncated=rows.truncated)
     activation = activation_of(engine)
 
