@@ -196,15 +196,29 @@ def test_the_graph_holds_two_lm_head_rows_never_the_vocabulary_projection(reposi
                    for t in graph.graph.initializer)
 
 
-def test_a_template_on_a_checkpoint_without_an_lm_head_is_refused_naming_it(tmp_path):
+def test_a_tied_checkpoint_takes_the_rows_from_its_word_embeddings(tmp_path):
+    from transformers import AutoTokenizer
+
+    from model.hf_pretrained import load_pretrained
+
+    model = save_qwen3_reranker(tmp_path, tie_word_embeddings=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    rows = [tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")]
+    loaded = load_pretrained(tmp_path, reranker_template="qwen3")
+    np.testing.assert_array_equal(loaded.encoder.head.out.weight.detach().numpy(),
+                                  model.model.embed_tokens.weight.detach().numpy()[rows])
+
+
+def test_a_template_on_a_checkpoint_that_is_not_a_causal_lm_is_refused_naming_it(tmp_path):
     from transformers import Qwen3Config, Qwen3Model
 
-    from export.cli import main
+    from model.checkpoint import CheckpointError
+    from model.hf_pretrained import load_pretrained
 
     Qwen3Model(Qwen3Config(**QWEN3, vocab_size=400)).save_pretrained(str(tmp_path))
     qwen_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    assert main(["--from-pretrained", str(tmp_path), "--out-dir", str(tmp_path / "out"), "--reranker-template",
-                 "qwen3", "--quiet"]) != 0
+    with pytest.raises(CheckpointError, match="ForCausalLM.*Qwen3Model"):
+        load_pretrained(tmp_path, reranker_template="qwen3")
 
 
 # --- served scores against the card's recipe -----------------------------------------------------------------
