@@ -13,98 +13,14 @@ import httpx
 import numpy as np
 import onnx
 import pytest
-import torch
 
-from model.tasks import RERANK_TEMPLATES
-from tests.hf_references import WORDS, redraw
+from tests.hf_references import (QWEN3_BODY, QWEN3_INSTRUCTION, QWEN3_PREFIX, QWEN3_RERANKER, QWEN3_SUFFIX,
+                                  RERANKER_DOCUMENTS, RERANKER_MAX_LENGTH, RERANKER_QUERY, CardRecipe, qwen_tokenizer,
+                                  save_qwen3_reranker)
 
 SCORE_ATOL = 1e-4
 TELLING = 1e-2  # a wrong row, a missing template or a wrong instruction moves a score by more than this
-# Qwen3-Reranker-0.6B's layout at a small width (GQA, a head_dim of its own, q/k norms), untied lm_head.
-QWEN3 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-MAX_LENGTH = 160  # the tokenizer's model_max_length: the export's max_text_tokens
-CARD = RERANK_TEMPLATES["qwen3"]
-QUERY = "what is the long document encoder"
-DOCUMENTS = ["the encoder is a long document encoder", "a dog barks at the mailman", "it is the one that is long",
-             "yes", "the a of and to in is that it for on with as was by this be are"]
-
-
-def qwen_tokenizer():
-    """A byte-level BPE (as Qwen's) trained on the template's texts: <|endoftext|>, <|im_start|>, <|im_end|>
-    special, <think> and </think> added, "yes" and "no" single tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = [CARD["prefix"], CARD["body"], CARD["suffix"], CARD["instruction"], " ".join(WORDS), QUERY,
-              *DOCUMENTS] * 5 + ["yes", "no"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
-    return tokenizer
-
-
-def save_qwen3_reranker(directory, seed: int = 0, **changes):
-    """A random Qwen3ForCausalLM and its tokenizer, saved as transformers saves them; returns the model."""
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = qwen_tokenizer()
-    config = Qwen3Config(**{**QWEN3, **changes}, vocab_size=tokenizer.get_vocab_size())
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = redraw(Qwen3ForCausalLM(config), seed=seed)
-    model.save_pretrained(str(directory))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                            model_max_length=MAX_LENGTH).save_pretrained(str(directory))
-    return model
-
-
-class CardRecipe:
-    """Qwen3-Reranker-0.6B's model card recipe (transformers), on a checkpoint directory."""
-
-    def __init__(self, directory, max_length: int = MAX_LENGTH, prefix: str = CARD["prefix"],
-                 suffix: str = CARD["suffix"], swap: bool = False) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(directory), padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager").eval()
-        self.token_false_id = self.tokenizer.convert_tokens_to_ids("no")
-        self.token_true_id = self.tokenizer.convert_tokens_to_ids("yes")
-        if swap:  # the control: the rows the other way round
-            self.token_false_id, self.token_true_id = self.token_true_id, self.token_false_id
-        self.max_length = max_length
-        self.prefix_tokens = self.tokenizer.encode(prefix, add_special_tokens=False)
-        self.suffix_tokens = self.tokenizer.encode(suffix, add_special_tokens=False)
-
-    @staticmethod
-    def format_instruction(instruction, query, doc):
-        if instruction is None:
-            instruction = "Given a web search query, retrieve relevant passages that answer the query"
-        return "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}".format(
-            instruction=instruction, query=query, doc=doc)
-
-    def process_inputs(self, pairs):
-        inputs = self.tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
-                                max_length=self.max_length - len(self.prefix_tokens) - len(self.suffix_tokens))
-        for i, ele in enumerate(inputs["input_ids"]):
-            inputs["input_ids"][i] = self.prefix_tokens + ele + self.suffix_tokens
-        return self.tokenizer.pad(inputs, padding=True, return_tensors="pt", max_length=self.max_length)
-
-    @torch.no_grad()
-    def compute_logits(self, inputs):
-        batch_scores = self.model(**inputs).logits[:, -1, :]
-        true_vector = batch_scores[:, self.token_true_id]
-        false_vector = batch_scores[:, self.token_false_id]
-        batch_scores = torch.stack([false_vector, true_vector], dim=1)
-        batch_scores = torch.nn.functional.log_softmax(batch_scores, dim=1)
-        return batch_scores[:, 1].exp().tolist()
-
-    def scores(self, query, documents, instruction=None) -> np.ndarray:
-        pairs = [self.format_instruction(instruction, query, doc) for doc in documents]
-        return np.asarray(self.compute_logits(self.process_inputs(pairs)), np.float64)
+QUERY, DOCUMENTS, MAX_LENGTH, QWEN3 = RERANKER_QUERY, RERANKER_DOCUMENTS, RERANKER_MAX_LENGTH, QWEN3_RERANKER
 
 
 def _export(source, out_dir, name, *flags):
@@ -177,9 +93,8 @@ def test_the_export_records_the_cards_template_and_the_answer_token_ids(reposito
     assert (task["kind"], task["output"], task["activation"], task["labels"]) == ("rerank", "logits", "sigmoid",
                                                                                   ["yes"])
     assert {k: task["template"][k] for k in ("prefix", "body", "suffix", "instruction")} == \
-        {"prefix": card.tokenizer.decode(card.prefix_tokens), "suffix": card.tokenizer.decode(card.suffix_tokens),
-         "body": "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
-         "instruction": "Given a web search query, retrieve relevant passages that answer the query"}
+        {"prefix": QWEN3_PREFIX, "suffix": QWEN3_SUFFIX, "instruction": QWEN3_INSTRUCTION,
+         "body": QWEN3_BODY.replace("{doc}", "{document}")}
     assert task["template"]["answer_ids"] == [card.token_false_id, card.token_true_id]
     assert metadata["config"]["head_tokens"] == [card.token_false_id, card.token_true_id]
 
