@@ -172,7 +172,7 @@ class CardRecipe:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory)).eval()  # the card: default attention
         self.token_false_id = self.tokenizer.convert_tokens_to_ids("no")
         self.token_true_id = self.tokenizer.convert_tokens_to_ids("yes")
         if swap:  # the control: the rows the other way round
