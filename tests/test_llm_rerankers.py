@@ -196,6 +196,22 @@ def test_a_long_document_is_cut_as_the_card_truncates_never_the_template_or_quer
     assert refused.status_code == 400 and refused.json()["error"].startswith("texts[0]:"), refused.text
 
 
+def test_cut_from_the_left_a_document_keeps_its_longest_end_that_fits(http, card):
+    """truncation_direction left: the served score is the card's on the document's last words that fit (words
+    that are one token each, so every cut falls between words)."""
+    words = [w for w in DOCUMENTS[-1].split() if len(card.tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
+    long = " ".join(words * 12)
+
+    def fits(document):
+        body = card.tokenizer(card.format_instruction(None, QUERY, document))["input_ids"]
+        return len(card.prefix_tokens) + len(body) + len(card.suffix_tokens) <= MAX_LENGTH
+
+    kept = next(long.split()[k:] for k in range(len(long.split())) if fits(" ".join(long.split()[k:])))
+    got = _tei_scores(http, QUERY, [long], truncate=True, truncation_direction="left")
+    np.testing.assert_allclose(got, card.scores(QUERY, [" ".join(kept)]), atol=SCORE_ATOL)
+    assert np.abs(got - card.scores(QUERY, [long])).max() > TELLING  # the card's own cut keeps the start
+
+
 def test_a_query_too_long_for_any_document_is_refused_naming_it(http):
     answer = http.post("/rerank", json={"query": " ".join([QUERY] * 40), "texts": ["yes"], "truncate": True})
     assert answer.status_code == 400 and answer.json()["error"].startswith("query:"), answer.text

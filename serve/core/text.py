@@ -10,7 +10,9 @@ length, or, when the request sets `truncate`, re-tokenized with truncation to ma
 sentence-transformers does), or, when it sets `chunk`, re-tokenized into overlapping windows of
 max_length (tokenizers' own overflow with a stride of max_length / 8; each window has the special
 tokens) that the Engine pools back into one embedding per text. Padding is the batcher's job: texts become ordinary token rows and
-batch with every other request.
+batch with every other request. An LLM reranker's rows (`encode_templated`) are its prompt template's prefix,
+body (the query, the document, the instruction) and suffix, each tokenized alone; only the document's tokens are
+ever cut.
 """
 
 from __future__ import annotations
@@ -173,9 +175,9 @@ class TextTokenizer:
                 rows.append(np.asarray(prefix + ids + suffix, dtype=np.int64))
                 cut.append(False)
                 continue
-            # the document's tokens: those that start inside it (a token across its start counts as the query's)
+            # the document's tokens: those covering any of its characters (" word" across its start is its own)
             end = len(before) + len(document)
-            lead = sum(1 for start, _ in encoding.offsets if start < len(before))
+            lead = sum(1 for _, stop in encoding.offsets if stop <= len(before))
             tail = sum(1 for start, _ in encoding.offsets if start >= end) if after else 0
             keep = budget - lead - tail
             if keep < 1:
