@@ -156,6 +156,6 @@ def check_template(template: Any, config: EncoderConfig) -> None:
             raise TaskError(f"task template.body {body!r} must hold {field} once")
     answers, ids = template.get("answers"), template.get("answer_ids")
     if not isinstance(answers, (list, tuple)) or not isinstance(ids, (list, tuple)) or len(answers) != len(ids) \
-            or [int(i) for i in ids] != list(config.head_tokens):
+            or list(ids) != list(config.head_tokens):
         raise TaskError(f"task template answers {answers!r} / answer_ids {ids!r} are not the head's head_tokens "
                         f"{list(config.head_tokens)}")

@@ -8,6 +8,7 @@ the card has it (format_instruction, process_inputs, compute_logits on AutoModel
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import numpy as np
@@ -134,6 +135,38 @@ def test_a_template_on_a_checkpoint_that_is_not_a_causal_lm_is_refused_naming_it
     qwen_tokenizer().save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="ForCausalLM.*Qwen3Model"):
         load_pretrained(tmp_path, reranker_template="qwen3")
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(head="answer_tokens"), "head_tokens"),
+    (dict(head_tokens=(1, 2)), "head_tokens"),
+    (dict(head="answer_tokens", head_tokens=(1, 400)), "vocab_size"),
+    (dict(head="answer_tokens", head_tokens=(1, 2), num_labels=2), "num_labels"),
+])
+def test_answer_tokens_settings_that_do_not_fit_are_refused_naming_the_field(fields, named):
+    from model.config import ConfigError, EncoderConfig
+
+    with pytest.raises(ConfigError, match=named):
+        EncoderConfig(vocab_size=400, **fields)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda task: task["template"].update(answer_ids=task["template"]["answer_ids"][::-1]), "answer_ids"),
+    (lambda task: task["template"].update(body="<Query>: {query}"), "{document}"),
+    (lambda task: task.pop("template"), "template"),
+])
+def test_metadata_whose_template_does_not_fit_its_head_is_refused(repository, tmp_path, change, named):
+    import shutil
+
+    from model.export_format import ExportError, read_metadata
+
+    copy = tmp_path / "copy"
+    shutil.copytree(repository / "qwen3-reranker", copy)
+    metadata = json.loads((copy / "metadata.json").read_text())
+    change(metadata["task"])
+    (copy / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(ExportError, match=f"task.*{re.escape(named)}"):
+        read_metadata(copy)
 
 
 # --- served scores against the card's recipe -----------------------------------------------------------------
