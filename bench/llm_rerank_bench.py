@@ -1,7 +1,7 @@
 """An LLM reranker (Qwen3-Reranker's recipe: P("yes") at the last token under the model card's prompt): one query
 against 32 documents, the project's server against the model card's transformers recipe in process (issue 43).
 
-    python -m bench.llm_rerank_bench [--shape tiny|mid] [--vocab N] [--rounds 3] [--requests 5]
+    python -m bench.llm_rerank_bench [--shape tiny|mid] [--vocab N] [--requests 15]
 
 The checkpoints: random Qwen3ForCausalLM (tests/hf_references.py save_qwen3_reranker: its byte-level BPE
 tokenizer, max length 1024), `tiny` the tests' (2 layers x 64) and `mid` 4 layers x 512 (8 heads, 4 key/value
@@ -12,9 +12,11 @@ fp32, optimized) and `python -m serve --graph optimized`, called over HTTP (TEI'
 connection); the recipe: tests/hf_references.py CardRecipe (AutoModelForCausalLM, its default attention, fp32,
 left padding, format_instruction/process_inputs/compute_logits as the card has them) at torch.set_num_threads(--threads).
 
-Each request: one query of 5-12 words and 32 documents of 50-300 words (seeded). Per round, --requests timed
-requests on each side after one warm-up, sides alternating; reported: each side's median latency per round,
-the ratio recipe / server per round (median and range), and the largest score difference on one request.
+Each request: one query of 5-12 words and 32 documents of 50-300 words (seeded). After one warm-up each, every
+request is timed on both sides back to back (which side goes first alternates), so a neighbour's load on a
+shared host falls on both alike; reported: each side's median latency, the median and range of the per-request
+ratio recipe / server, the ratio of CPU seconds spent (the server process's against this process's during the
+recipe), and the largest score difference on one request.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 
 import numpy as np
 
-from bench.harness import LOOPBACK, running_server, spread
+from bench.harness import LOOPBACK, cpu_seconds, running_server, spread
 
 SHAPES = {
     "tiny": {},
@@ -65,23 +67,11 @@ def _rerank(conn: http.client.HTTPConnection, query: str, documents: list[str]) 
     return scores
 
 
-def _timed(call, requests, count: int, offset: int) -> list[float]:
-    """Milliseconds of `count` calls, after one warm-up."""
-    call(*requests[offset % len(requests)])
-    out = []
-    for i in range(count):
-        started = time.perf_counter()
-        call(*requests[(offset + 1 + i) % len(requests)])
-        out.append((time.perf_counter() - started) * 1e3)
-    return out
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="tiny")
     parser.add_argument("--vocab", type=int, default=0, help="the model's vocabulary (0: the tokenizer's)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=5, help="timed requests per side per round")
+    parser.add_argument("--requests", type=int, default=15, help="timed requests (each on both sides)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
@@ -104,7 +94,6 @@ def main(argv=None) -> None:
     print(f"export: {time.perf_counter() - started:.0f} s", flush=True)
     recipe = CardRecipe(checkpoint, max_length=MAX_LENGTH)
     requests = _requests(16)
-    rounds = []
     with running_server(os.path.join(work, "reranker"), ["--graph", "optimized", "--http-port", "0"],
                         start_timeout_s=600.0) as server:
         conn = http.client.HTTPConnection(LOOPBACK, server.http_port, timeout=600)
@@ -115,22 +104,28 @@ def main(argv=None) -> None:
         print(f"one request: 32 rows of {min(tokens)}-{max(tokens)} tokens; largest score difference "
               f"{difference:.2e}", flush=True)
         sides = {"server": lambda q, d: _rerank(conn, q, d), "recipe": recipe.scores}
-        for number in range(args.rounds):
-            order = list(sides) if number % 2 == 0 else list(reversed(sides))
-            medians = {name: statistics.median(_timed(sides[name], requests, args.requests, number * 7))
-                       for name in order}
-            rounds.append(medians)
-            print(f"round {number + 1}: server {medians['server']:.0f} ms, recipe {medians['recipe']:.0f} ms, "
-                  f"{medians['recipe'] / medians['server']:.2f}x", flush=True)
-    ratios = [r["recipe"] / r["server"] for r in rounds]
+        for call in sides.values():
+            call(*requests[1])  # warm-up
+        times = {name: [] for name in sides}
+        cpu = {name: 0.0 for name in sides}
+        for i in range(args.requests):
+            for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
+                pid = server.process.pid if name == "server" else None
+                cpu_before, started = cpu_seconds(pid), time.perf_counter()
+                sides[name](*requests[(2 + i) % len(requests)])
+                times[name].append((time.perf_counter() - started) * 1e3)
+                cpu[name] += cpu_seconds(pid) - cpu_before
+            print(f"request {i + 1}: server {times['server'][-1]:.0f} ms, recipe {times['recipe'][-1]:.0f} ms",
+                  flush=True)
+    ratios = [r / s for r, s in zip(times["recipe"], times["server"])]
     summary = {"shape": args.shape, "vocab": args.vocab or recipe.model.config.vocab_size, "threads": args.threads,
-               "server_ms": statistics.median(r["server"] for r in rounds),
-               "recipe_ms": statistics.median(r["recipe"] for r in rounds),
-               "speedup": spread(ratios), "largest_score_difference": difference}
+               "server_ms": statistics.median(times["server"]), "recipe_ms": statistics.median(times["recipe"]),
+               "speedup": spread(ratios), "cpu_speedup": cpu["recipe"] / cpu["server"],
+               "largest_score_difference": difference}
     print(json.dumps(summary), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": summary, "rounds": rounds}, f, indent=2)
+            json.dump({"summary": summary, "times_ms": times}, f, indent=2)
 
 
 if __name__ == "__main__":
