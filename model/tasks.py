@@ -14,13 +14,14 @@ CrossEncoder's own activation_fn when it names one, else the checkpoint's proble
 label and softmax for more. "pair": the model takes a text or a text pair (a pair is tokenized as the
 tokenizer's post-processor joins two texts, with token_type_ids where the family has them).
 
-"template" (an LLM reranker: Qwen3-Reranker): how a query and a document become the one text the model reads,
-as its model card builds it: {"name", "prefix", "body", "suffix", "instruction", "answers", "answer_ids"}. A row
-is tokens(prefix) + tokens(body) + tokens(suffix), each tokenized alone without special tokens; body holds
-{query} and {document} once each and may hold {instruction} (a request's, else "instruction", the default).
-Only the document's tokens are ever cut. "answers" are the answer tokens (the positive one last) and
-"answer_ids" their vocabulary ids, the head's head_tokens: the score is softmax over their logits at the last
-token, taken at the last answer (sigmoid of the head's one logit).
+"template" (an LLM reranker: Qwen3-Reranker, bge-reranker-v2-gemma's recipe): how a query and a document become
+the token row the model reads, as its model card builds it: {"name", "parts", "instruction", "answers",
+"answer_ids"}. A row is the tokens of each of "parts" in order, each part tokenized alone without special tokens
+(a special token's own text, "<bos>", is its id); across the parts {query} and {document} appear once each and
+{instruction} (a request's, else "instruction", the default) at most once. Only the document's tokens are ever
+cut. "answers" are the answer tokens (the positive one last) and "answer_ids" their vocabulary ids, the head's
+head_tokens: the score is softmax over their logits at the last token, taken at the last answer (sigmoid of the
+head's one logit; one answer: sigmoid of its logit).
 """
 
 from __future__ import annotations
@@ -36,17 +37,25 @@ EMBED: Mapping[str, Any] = {"kind": "embed"}
 # LLM rerankers' prompt templates by name (export --reranker-template), each as its model card writes it.
 RERANK_TEMPLATES: Mapping[str, Mapping[str, Any]] = {
     # Qwen/Qwen3-Reranker-0.6B (4B, 8B alike): P("yes") of softmax over the "no" and "yes" logits
+    # (prefix tokens + the formatted pair + suffix tokens, as its process_inputs joins them)
     "qwen3": {
-        "prefix": "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+        "parts": ["<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
                   "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
                   "<|im_start|>user\n",
-        "body": "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
-        "suffix": "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                  "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+                  "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"],
         "instruction": "Given a web search query, retrieve relevant passages that answer the query",
         "answers": ["no", "yes"],
     },
+    # BAAI/bge-reranker-v2-gemma's get_inputs (bos, "A: query", sep, "B: passage", sep, prompt; each tokenized
+    # alone): the raw "Yes" logit at the last token (FlagLLMReranker's compute_score; normalize=True: sigmoid)
+    "bge-gemma": {
+        "parts": ["<bos>", "A: {query}", "\n", "B: {document}", "\n", "{instruction}"],
+        "instruction": "Given a query A and a passage B, determine whether the passage contains an answer to the "
+                       "query by providing a prediction of either 'Yes' or 'No'.",
+        "answers": ["Yes"],
+    },
 }
-TEMPLATE_TEXTS = ("prefix", "body", "suffix", "instruction")
 # sentence-transformers' CrossEncoder stores activation_fn as a class path (torch.nn.modules.activation.Sigmoid,
 # torch.nn.modules.linear.Identity, ...): its class name -> our activation.
 ST_ACTIVATION_CLASSES: Mapping[str, str] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
@@ -147,13 +156,14 @@ def check_template(template: Any, config: EncoderConfig) -> None:
     """An LLM reranker's "template" (module docstring) against its head; a TaskError naming the field."""
     if not isinstance(template, Mapping):
         raise TaskError(f"task template {template!r} is not an object")
-    for key in TEMPLATE_TEXTS:
-        if not isinstance(template.get(key), str):
-            raise TaskError(f"task template.{key} {template.get(key)!r} is not a text")
-    body = template["body"]
-    for field in ("{query}", "{document}"):
-        if body.count(field) != 1:
-            raise TaskError(f"task template.body {body!r} must hold {field} once")
+    parts = template.get("parts")
+    if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, str) for p in parts):
+        raise TaskError(f"task template.parts {parts!r} is not a list of texts")
+    if not isinstance(template.get("instruction"), str):
+        raise TaskError(f"task template.instruction {template.get('instruction')!r} is not a text")
+    for field, least in (("{query}", 1), ("{document}", 1), ("{instruction}", 0)):
+        if not least <= sum(p.count(field) for p in parts) <= 1:
+            raise TaskError(f"task template.parts {list(parts)!r} must hold {field} {'once' if least else 'at most once'}")
     answers, ids = template.get("answers"), template.get("answer_ids")
     if not isinstance(answers, (list, tuple)) or not isinstance(ids, (list, tuple)) or len(answers) != len(ids) \
             or list(ids) != list(config.head_tokens):

@@ -93,9 +93,8 @@ def test_the_export_records_the_cards_template_and_the_answer_token_ids(reposito
     task = metadata["task"]
     assert (task["kind"], task["output"], task["activation"], task["labels"]) == ("rerank", "logits", "sigmoid",
                                                                                   ["yes"])
-    assert {k: task["template"][k] for k in ("prefix", "body", "suffix", "instruction")} == \
-        {"prefix": QWEN3_PREFIX, "suffix": QWEN3_SUFFIX, "instruction": QWEN3_INSTRUCTION,
-         "body": QWEN3_BODY.replace("{doc}", "{document}")}
+    assert task["template"]["parts"] == [QWEN3_PREFIX, QWEN3_BODY.replace("{doc}", "{document}"), QWEN3_SUFFIX]
+    assert task["template"]["instruction"] == QWEN3_INSTRUCTION
     assert task["template"]["answer_ids"] == [card.token_false_id, card.token_true_id]
     assert metadata["config"]["head_tokens"] == [card.token_false_id, card.token_true_id]
 
@@ -152,7 +151,7 @@ def test_answer_tokens_settings_that_do_not_fit_are_refused_naming_the_field(fie
 
 @pytest.mark.parametrize("change, named", [
     (lambda task: task["template"].update(answer_ids=task["template"]["answer_ids"][::-1]), "answer_ids"),
-    (lambda task: task["template"].update(body="<Query>: {query}"), "{document}"),
+    (lambda task: task["template"].update(parts=["<Query>: {query}"]), "{document}"),
     (lambda task: task.pop("template"), "template"),
 ])
 def test_metadata_whose_template_does_not_fit_its_head_is_refused(repository, tmp_path, change, named):

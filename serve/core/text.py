@@ -10,9 +10,8 @@ length, or, when the request sets `truncate`, re-tokenized with truncation to ma
 sentence-transformers does), or, when it sets `chunk`, re-tokenized into overlapping windows of
 max_length (tokenizers' own overflow with a stride of max_length / 8; each window has the special
 tokens) that the Engine pools back into one embedding per text. Padding is the batcher's job: texts become ordinary token rows and
-batch with every other request. An LLM reranker's rows (`encode_templated`) are its prompt template's prefix,
-body (the query, the document, the instruction) and suffix, each tokenized alone; only the document's tokens are
-ever cut.
+batch with every other request. An LLM reranker's rows (`encode_templated`) are its prompt template's parts (with
+the query, the document, the instruction), each tokenized alone; only the document's tokens are ever cut.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class TextTokenizer:
         self.overlap = max_length // 8
         self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
         self.max_length = max_length
-        self._ends: dict[tuple[str, str], tuple[list[int], list[int]]] = {}  # an LLM reranker's (encode_templated)
+        self._parts: dict[str, list[int]] = {}  # an LLM reranker's template parts (encode_templated)
         vocab = self._full.get_vocab_size(with_added_tokens=True)
         if vocab > config.vocab_size:
             raise ExportError(
@@ -155,54 +154,57 @@ class TextTokenizer:
                          instruction: str | None = None, truncate: bool = False, direction: str = "right",
                          fields: tuple[str, str] = ("query", "documents[{i}]"),
                          ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...]]:
-        """An LLM reranker's rows (metadata.json task "template", model/tasks.py): tokens(prefix) +
-        tokens(body with the query, the document and the instruction, None: the template's) + tokens(suffix),
-        each tokenized alone without special tokens, as the model card's recipe does: (int64 ids per row,
+        """An LLM reranker's rows (metadata.json task "template", model/tasks.py): the tokens of each of the
+        template's parts with the query, the document and the instruction (None: the template's) in place, each
+        part tokenized alone without special tokens, as the model card's recipe does: (int64 ids per row,
         whether each was cut). A row over max_length is refused naming its document, or with `truncate` has
         only its document's tokens cut (from `direction`); a query that leaves a document no token is refused
         naming it. `fields`: the query's and the documents' names ({i}: the document)."""
         first, second = fields
-        prefix, suffix = self._template_ends(template["prefix"], template["suffix"])
         values = {"instruction": template["instruction"] if instruction is None else instruction, "query": query}
-        before, after = (re.sub(r"\{(instruction|query)\}", lambda m: values[m.group(1)], part)
-                         for part in template["body"].split("{document}"))
-        budget = self.max_length - len(prefix) - len(suffix)  # the body's tokens
+        parts = [re.sub(r"\{(instruction|query)\}", lambda m: values[m.group(1)], part) if "{" in part else part
+                 for part in template["parts"]]
+        at = next(i for i, part in enumerate(template["parts"]) if "{document}" in part)
+        before, after = parts[at].split("{document}")
+        tokens = [self._part_tokens(part, fixed="{" not in raw) for part, raw in zip(parts, template["parts"])]
+        head, tail = [t for ids in tokens[:at] for t in ids], [t for ids in tokens[at + 1:] for t in ids]
+        budget = self.max_length - len(head) - len(tail)  # the document part's tokens
         encodings = self._full.encode_batch([before + d + after for d in documents], add_special_tokens=False)
         rows, cut = [], []
         for i, (document, encoding) in enumerate(zip(documents, encodings)):
             ids = encoding.ids
             if len(ids) <= budget:
-                rows.append(np.asarray(prefix + ids + suffix, dtype=np.int64))
+                rows.append(np.asarray(head + ids + tail, dtype=np.int64))
                 cut.append(False)
                 continue
             # the document's tokens: those covering any of its characters (" word" across its start is its own)
             end = len(before) + len(document)
             lead = sum(1 for _, stop in encoding.offsets if stop <= len(before))
-            tail = sum(1 for start, _ in encoding.offsets if start >= end) if after else 0
-            keep = budget - lead - tail
+            trail = sum(1 for start, _ in encoding.offsets if start >= end) if after else 0
+            keep = budget - lead - trail
             if keep < 1:
                 raise ValidationError(
                     f"{first}: too long to pair with any document within max_text_tokens={self.max_length} (the "
-                    f"template's {len(prefix) + len(suffix)} tokens and the instruction included; only the document "
-                    f"is ever cut); shorten it")
+                    f"template and the instruction included; only the document is ever cut); shorten it")
             if not truncate:
                 raise ValidationError(
-                    f"{second.format(i=i)}: in the template with {first} it makes {len(prefix) + len(ids) + len(suffix)} "
+                    f"{second.format(i=i)}: in the template with {first} it makes {len(head) + len(ids) + len(tail)} "
                     f"tokens, over max_text_tokens={self.max_length}; shorten it or set truncate=true (the document is "
                     f"cut)")
-            body = ids[lead:len(ids) - tail]
+            body = ids[lead:len(ids) - trail]
             body = body[:keep] if direction == "right" else body[len(body) - keep:]
-            rows.append(np.asarray(prefix + ids[:lead] + body + ids[len(ids) - tail:] + suffix, dtype=np.int64))
+            rows.append(np.asarray(head + ids[:lead] + body + ids[len(ids) - trail:] + tail, dtype=np.int64))
             cut.append(True)
         return tuple(rows), tuple(cut)
 
-    def _template_ends(self, prefix: str, suffix: str) -> tuple[list[int], list[int]]:
-        """A template's prefix and suffix tokens (without special tokens), tokenized once per template."""
-        key = (prefix, suffix)
-        if key not in self._ends:
-            self._ends[key] = tuple(self._full.encode(t, add_special_tokens=False).ids if t else []
-                                    for t in key)
-        return self._ends[key]
+    def _part_tokens(self, part: str, fixed: bool) -> list[int]:
+        """One template part's tokens (without special tokens); a `fixed` part (no placeholder) tokenized once."""
+        if fixed and part in self._parts:
+            return self._parts[part]
+        ids = self._full.encode(part, add_special_tokens=False).ids if part else []
+        if fixed:
+            self._parts[part] = ids
+        return ids
 
     def head(self, text: str, tokens: int) -> str:
         """`text` cut after its first `tokens` tokens (special tokens not counted): Cohere's max_tokens_per_doc."""
