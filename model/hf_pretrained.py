@@ -361,7 +361,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head, reranker_template)
     tokenizer_file = directory / TOKENIZER_FILE
     answers = answer_token_ids(tokenizer_file, reranker_template) if head == "answer_tokens" else ()
-    with_head(config, family, hf, head, answers)  # refuses a head config.json cannot describe before any weights are read
+    with_head(config, family, hf, head, answers)  # refuses a head config.json cannot describe before the weights
     longest = config.position_limit or config.max_positions
     pooling, max_length = read_sentence_transformers_settings(directory, hf, longest, head, dropped=drop_head)
     dense = read_dense_modules(directory, st_modules(directory), config.d_model)  # checked before the weights

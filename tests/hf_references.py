@@ -128,7 +128,8 @@ QWEN3_RERANKER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
 RERANKER_MAX_LENGTH = 160  # the tokenizer's model_max_length: the export's max_text_tokens
 RERANKER_QUERY = "what is the long document encoder"
 RERANKER_DOCUMENTS = ["the encoder is a long document encoder", "a dog barks at the mailman",
-                      "it is the one that is long", "yes", "the a of and to in is that it for on with as was by this be"]
+                      "it is the one that is long", "yes",
+                      "the a of and to in is that it for on with as was by this be"]
 
 
 def qwen_tokenizer():
@@ -207,3 +208,89 @@ class CardRecipe:
     def scores(self, query, documents, instruction=None) -> np.ndarray:
         pairs = [self.format_instruction(instruction, query, doc) for doc in documents]
         return np.asarray(self.compute_logits(self.process_inputs(pairs)), np.float64)
+
+
+# --- bge-reranker-v2-gemma's recipe on a Gemma3ForCausalLM ---------------------------------------------------------
+
+BGE_GEMMA_PROMPT = ("Given a query A and a passage B, determine whether the passage contains an answer to the query "
+                    "by providing a prediction of either 'Yes' or 'No'.")
+# Gemma3's parts at a small width, causal (a CausalLM), sliding layers around a full one, tied lm_head (Gemma3's).
+GEMMA3_RERANKER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                       max_position_embeddings=1024)
+
+
+def gemma_tokenizer():
+    """A byte-level BPE trained on the bge prompt and the test texts: <pad>, <eos>, <bos> special, "Yes" one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [BGE_GEMMA_PROMPT, "A: B: \n", " ".join(WORDS), RERANKER_QUERY, *RERANKER_DOCUMENTS] * 5 + ["Yes"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def save_gemma3_reranker(directory, seed: int = 0, max_length: int = RERANKER_MAX_LENGTH, **changes):
+    """A random Gemma3ForCausalLM and its tokenizer (left padding, as the recipe needs), saved as transformers
+    saves them; returns the model."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    tokenizer = gemma_tokenizer()
+    ids = {name: tokenizer.token_to_id(name) for name in ("<pad>", "<eos>", "<bos>")}
+    config = Gemma3TextConfig(**{"vocab_size": tokenizer.get_vocab_size(), **GEMMA3_RERANKER, **changes},
+                              pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = redraw(Gemma3ForCausalLM(config), seed=seed)
+    model.save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            padding_side="left", model_max_length=max_length).save_pretrained(str(directory))
+    return model
+
+
+class BgeGemmaRecipe:
+    """bge-reranker-v2-gemma's model card recipe (transformers: get_inputs, the "Yes" logit at the last token)."""
+
+    def __init__(self, directory, max_length: int = 1024) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+        self.yes_loc = self.tokenizer("Yes", add_special_tokens=False)["input_ids"][0]
+        self.max_length = max_length
+
+    def get_inputs(self, pairs, prompt=None):
+        tokenizer, max_length = self.tokenizer, self.max_length
+        if prompt is None:
+            prompt = BGE_GEMMA_PROMPT
+        sep = "\n"
+        prompt_inputs = tokenizer(prompt, return_tensors=None, add_special_tokens=False)["input_ids"]
+        sep_inputs = tokenizer(sep, return_tensors=None, add_special_tokens=False)["input_ids"]
+        inputs = []
+        for query, passage in pairs:
+            query_inputs = tokenizer(f"A: {query}", return_tensors=None, add_special_tokens=False,
+                                     max_length=max_length * 3 // 4, truncation=True)
+            passage_inputs = tokenizer(f"B: {passage}", return_tensors=None, add_special_tokens=False,
+                                       max_length=max_length, truncation=True)
+            # the card's tokenizer.prepare_for_model(first, second, truncation="only_second", max_length=...,
+            # add_special_tokens=False), which transformers 5's tokenizers no longer have: the pair joined, the
+            # second cut from its end to fit
+            first = [tokenizer.bos_token_id] + query_inputs["input_ids"]
+            second = sep_inputs + passage_inputs["input_ids"]
+            item = {"input_ids": first + second[:max(0, max_length - len(first))]}
+            item["input_ids"] = item["input_ids"] + sep_inputs + prompt_inputs
+            item["attention_mask"] = [1] * len(item["input_ids"])
+            inputs.append(item)
+        return tokenizer.pad(inputs, padding=True, max_length=max_length + len(sep_inputs) + len(prompt_inputs),
+                             pad_to_multiple_of=8, return_tensors="pt")
+
+    @torch.no_grad()
+    def logits(self, query, documents, prompt=None) -> np.ndarray:
+        inputs = self.get_inputs([[query, doc] for doc in documents], prompt)
+        scores = self.model(**inputs, return_dict=True).logits[:, -1, self.yes_loc].view(-1, ).float()
+        return scores.numpy().astype(np.float64)

@@ -1,8 +1,10 @@
 """LLM rerankers (model/heads.py answer_tokens, model/tasks.py RERANK_TEMPLATES): a Qwen3ForCausalLM saved by
 transformers with a Qwen-like byte-level BPE tokenizer (the template's chat tokens, "yes" and "no"), exported
 with `--reranker-template qwen3`, served by a real server process and called on /v1/rerank (the cohere client),
-TEI's /rerank and gRPC Rerank. The reference is Qwen/Qwen3-Reranker-0.6B's model card recipe, written here as
-the card has it (format_instruction, process_inputs, compute_logits on AutoModelForCausalLM, left padding).
+TEI's /rerank and gRPC Rerank. The reference is Qwen/Qwen3-Reranker-0.6B's model card recipe, written as the card
+has it (tests/hf_references.py CardRecipe: format_instruction, process_inputs, compute_logits on
+AutoModelForCausalLM, left padding). Beside it a Gemma3ForCausalLM exported with `--reranker-template bge-gemma`
+against bge-reranker-v2-gemma's card recipe (BgeGemmaRecipe: get_inputs, the "Yes" logit at the last token).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import onnx
 import pytest
 
 from tests.hf_references import (QWEN3_BODY, QWEN3_INSTRUCTION, QWEN3_PREFIX, QWEN3_RERANKER, QWEN3_SUFFIX,
-                                  RERANKER_DOCUMENTS, RERANKER_MAX_LENGTH, RERANKER_QUERY, CardRecipe, qwen_tokenizer,
-                                  save_qwen3_reranker)
+                                  RERANKER_DOCUMENTS, RERANKER_MAX_LENGTH, RERANKER_QUERY, BgeGemmaRecipe, CardRecipe,
+                                  qwen_tokenizer, save_gemma3_reranker, save_qwen3_reranker)
 
 SCORE_ATOL = 1e-4
 TELLING = 1e-2  # a wrong row, a missing template or a wrong instruction moves a score by more than this
@@ -44,9 +46,16 @@ def card(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def repository(checkpoint, tmp_path_factory):
-    """The checkpoint as an LLM reranker and, without the template, as the embedder it also is; a BERT
-    cross-encoder beside them."""
+def gemma_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gemma3-reranker")
+    save_gemma3_reranker(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def repository(checkpoint, gemma_checkpoint, tmp_path_factory):
+    """The checkpoint as an LLM reranker and, without the template, as the embedder it also is; a Gemma3
+    reranker in bge-reranker-v2-gemma's recipe and a BERT cross-encoder beside them."""
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
     from tests.hf_references import word_tokenizer
@@ -54,6 +63,7 @@ def repository(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("llm-rerank-repository")
     _export(checkpoint, out, "qwen3-reranker", "--reranker-template", "qwen3")
     _export(checkpoint, out, "qwen3-embedder")
+    _export(gemma_checkpoint, out, "gemma-reranker", "--reranker-template", "bge-gemma")
     cross = tmp_path_factory.mktemp("cross-encoder")
     tokenizer, vocab = word_tokenizer()
     BertForSequenceClassification(BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1,
@@ -247,6 +257,43 @@ def test_cut_from_the_left_a_document_keeps_its_longest_end_that_fits(http, card
 def test_a_query_too_long_for_any_document_is_refused_naming_it(http):
     answer = http.post("/rerank", json={"query": " ".join([QUERY] * 40), "texts": ["yes"], "truncate": True})
     assert answer.status_code == 400 and answer.json()["error"].startswith("query:"), answer.text
+
+
+# --- bge-reranker-v2-gemma's recipe on Gemma3ForCausalLM ----------------------------------------------------------
+
+def test_bge_gemma_scores_are_the_cards_yes_logit_and_its_sigmoid(http, gemma_checkpoint):
+    recipe = BgeGemmaRecipe(gemma_checkpoint)
+    want = recipe.logits(QUERY, DOCUMENTS)
+    raw = http.post("/v1/rerank", json={"model": "gemma-reranker", "query": QUERY, "documents": DOCUMENTS,
+                                        "raw_scores": True})
+    scored = http.post("/v1/rerank", json={"model": "gemma-reranker", "query": QUERY, "documents": DOCUMENTS})
+    assert raw.status_code == scored.status_code == 200, raw.text + scored.text
+    got_raw, got = np.zeros(len(DOCUMENTS)), np.zeros(len(DOCUMENTS))
+    for row in raw.json()["results"]:
+        got_raw[row["index"]] = row["relevance_score"]
+    for row in scored.json()["results"]:
+        got[row["index"]] = row["relevance_score"]
+    np.testing.assert_allclose(got_raw, want, atol=SCORE_ATOL, rtol=1e-5)
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-want)), atol=SCORE_ATOL)
+    assert np.abs(got_raw - recipe.logits(QUERY, DOCUMENTS, prompt="Is B about A?")).max() > TELLING
+
+
+def test_the_gemma_graph_holds_the_yes_row_of_its_tied_embeddings(repository, gemma_checkpoint):
+    recipe = BgeGemmaRecipe(gemma_checkpoint)
+    graph = onnx.load(str(repository / "gemma-reranker" / "model.onnx"))
+    head = [onnx.numpy_helper.to_array(t) for t in graph.graph.initializer if "head" in t.name]
+    row = recipe.model.model.embed_tokens.weight.detach().numpy()[[recipe.yes_loc]]
+    assert len(head) == 1
+    np.testing.assert_array_equal(head[0] if head[0].shape == row.shape else head[0].T, row)
+
+
+def test_a_soft_capped_gemma_lm_head_is_refused_naming_it(tmp_path):
+    from model.checkpoint import CheckpointError
+    from model.hf_pretrained import load_pretrained
+
+    save_gemma3_reranker(tmp_path, final_logit_softcapping=30.0)
+    with pytest.raises(CheckpointError, match="final_logit_softcapping"):
+        load_pretrained(tmp_path, reranker_template="bge-gemma")
 
 
 # --- what does not fit ----------------------------------------------------------------------------------------
