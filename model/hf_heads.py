@@ -9,9 +9,10 @@ the encoder and calls in here for the head.
                   CrossEncoder saves one), loaded strictly: every head tensor is used
   sparse          SPLADE: a *ForMaskedLM checkpoint's MLM head + sentence-transformers' SpladePooling (max, relu);
                   a SparseEncoder directory declares it (modules.json), `--head sparse` forces it
-  answer_tokens   an LLM reranker (Qwen3-Reranker): a *ForCausalLM checkpoint's lm_head rows of its answer
-                  tokens ("no", "yes"), under a prompt template (model/tasks.py RERANK_TEMPLATES) that
-                  `--reranker-template NAME` names; the rows are the word embeddings' when the checkpoint ties them
+  answer_tokens   an LLM reranker (Qwen3-Reranker; bge-reranker-v2-gemma's recipe on Gemma3): a *ForCausalLM
+                  checkpoint's lm_head rows of its answer tokens ("no", "yes"; "Yes"), under a prompt template
+                  (model/tasks.py RERANK_TEMPLATES) that `--reranker-template NAME` names; the rows are the word
+                  embeddings' when the checkpoint ties them
 
 The MLM decoder's weight is tied to the word embeddings in Hugging Face checkpoints: read from the checkpoint's
 decoder weight when it has one, else from the embedding matrix.

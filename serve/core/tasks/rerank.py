@@ -4,11 +4,11 @@ Cohere's and Jina's /v1/rerank and /v2/rerank, infinity's /rerank, encoder.v1 Re
 document is refused naming it. Scores are the head's one logit through the export's activation (or raw);
 the ranking is highest score first, equal scores in document order, the first `top_n`.
 
-An LLM reranker (Qwen3-Reranker; metadata.json task "template", model/tasks.py) reads each pair through its
-prompt template: prefix, "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}", suffix, with the
-request's `instruction` or the template's default one; its score is P("yes") (sigmoid of the head's logit, the
-"yes" logit minus the "no" one), its raw score that logit. `instruction` on a model without a template is
-refused naming it.
+An LLM reranker (Qwen3-Reranker, bge-reranker-v2-gemma's recipe; metadata.json task "template", model/tasks.py)
+reads each pair through its prompt template (Qwen3: prefix, "<Instruct>: {instruction}\n<Query>: {query}\n
+<Document>: {document}", suffix), with the request's `instruction` or the template's default one; its score is
+the sigmoid of the head's logit (Qwen3: "yes" minus "no", so P("yes")), its raw score that logit. `instruction`
+on a model without a template is refused naming it.
 """
 
 from __future__ import annotations
