@@ -178,6 +178,14 @@ def test_metadata_whose_template_does_not_fit_its_head_is_refused(repository, tm
         read_metadata(copy)
 
 
+def test_a_template_whose_answer_token_the_vocabulary_lacks_is_refused_naming_it(checkpoint):
+    from model.checkpoint import CheckpointError
+    from model.hf_pretrained import load_pretrained
+
+    with pytest.raises(CheckpointError, match="'bge-gemma' answers with token\\(s\\) \\['Yes'\\]"):
+        load_pretrained(checkpoint, reranker_template="bge-gemma")
+
+
 # --- served scores against the card's recipe -----------------------------------------------------------------
 
 def test_cohere_v1_rerank_scores_equal_the_model_cards_recipe(server, card):
