@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from model.config import VARIANT_PRESETS, ConfigError, EncoderConfig, from_dict, variants
+from model.tasks import RERANK_TEMPLATES
 
 DEFAULT_OUT_DIR = "exports"
 EXIT_BAD_INPUT = 2
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head", choices=("classification", "sparse"),
                         help="with --from-pretrained: the task head to load, where the directory does not declare it: "
                              "sparse = SPLADE (the MLM head, log1p(relu), max over tokens) on a *ForMaskedLM checkpoint")
+    parser.add_argument("--reranker-template", choices=tuple(RERANK_TEMPLATES),
+                        help="with --from-pretrained: export a *ForCausalLM checkpoint as an LLM reranker under this "
+                             "prompt template (qwen3: Qwen3-Reranker's; docs/export-format.md \"task\"): its head "
+                             "keeps the lm_head rows of the answer tokens, the server applies the template")
     parser.add_argument("--config", type=Path, help="JSON file of EncoderConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set n_layers=2")
@@ -101,12 +106,16 @@ def _plan(args: argparse.Namespace, scratch: Path) -> list[dict]:
         raise ConfigError("--encoder-only and --head apply to --from-pretrained (a checkpoint with a task head)")
     if args.encoder_only and args.head:
         raise ConfigError("--encoder-only drops the task head; --head loads one: pass one of them")
+    if args.reranker_template and (not args.from_pretrained or args.encoder_only or args.head):
+        raise ConfigError("--reranker-template applies to --from-pretrained (a *ForCausalLM checkpoint), without "
+                          "--encoder-only or --head (it names the head: the answer tokens')")
     if args.minilm or args.from_pretrained:
         from export.exporter import check_memory
         from model.hf_pretrained import load_pretrained, minilm_path
 
         directory = minilm_path() if args.minilm else _checkpoint_directory(args.from_pretrained)
         pretrained = load_pretrained(directory, name=args.name, drop_head=args.encoder_only, head=args.head,
+                                     reranker_template=args.reranker_template,
                                      before_weights=lambda config: check_memory(config, None, _graphs(args)))
         config = pretrained.config
         if args.name:

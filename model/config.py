@@ -35,10 +35,11 @@ INPUT_KINDS = ("tokens", "features")
 # The mask a request gets when it names none: bidirectional (encoders), causal (decoder embedders: Qwen2/3).
 NATURAL_MASKS = ("bidirectional", "causal")
 # Task heads on the encoder (model/heads.py): none (embeddings only), a sequence classifier (cross-encoders,
-# classifiers: logits [B, num_labels]), SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))) or a
-# late-interaction (ColBERT) head: every token projected to vector_dim and L2-normalised, [B, T, vector_dim], or
-# bge-m3's three heads in one per-token output [B, T, D + 1] (model/heads.py M3Head).
-HEADS = ("none", "classification", "sparse", "multivector", "m3")
+# classifiers: logits [B, num_labels]), SPLADE's sparse head (max over tokens of log1p(relu(MLM logits))), a
+# late-interaction (ColBERT) head: every token projected to vector_dim and L2-normalised, [B, T, vector_dim],
+# bge-m3's three heads in one per-token output [B, T, D + 1] (model/heads.py M3Head), or an LLM reranker's answer
+# tokens (a few lm_head rows at the last real token: logits [B, 1]).
+HEADS = ("none", "classification", "sparse", "multivector", "m3", "answer_tokens")
 # What a classification head reads: the first token's hidden state, or the mean over valid tokens.
 HEAD_POOLINGS = ("cls", "mean")
 # The activation inside a head's transform (dense -> act -> optional LayerNorm): "gelu" is the exact (erf) GELU.
@@ -152,6 +153,10 @@ class EncoderConfig:
     #   multivector (ColBERT): per token out(D, vector_dim, no bias), L2-normalised: [B, T, vector_dim]
     #   m3 (bge-m3): per token colbert(D, D) L2-normalised (position 0: the normalised hidden state, the dense
     #                embedding) and relu(sparse(D, 1)): [B, T, D + 1]
+    #   answer_tokens (an LLM reranker): the last real token's hidden state times the lm_head rows of
+    #                   head_tokens (vocabulary ids, the positive answer last: Qwen3-Reranker's "no", "yes") ->
+    #                   one logit [B, 1]: the last token's minus the logsumexp of the others (one token: its own),
+    #                   so sigmoid(logit) = softmax over the answer tokens' logits, taken at the last one
     # The head's LayerNorm takes layer_norm_eps and norm_bias, as the encoder's.
     head: str = "none"
     num_labels: int = 1  # classification only
@@ -161,6 +166,7 @@ class EncoderConfig:
     head_norm: bool = False
     head_bias: bool = True
     head_out_bias: bool = True
+    head_tokens: tuple[int, ...] = ()  # answer_tokens only: the lm_head rows it keeps, in this order
     # Seed for the weights when no checkpoint is loaded: exports are reproducible.
     seed: int = 0
     # Free-form provenance (e.g. the checkpoint a config was read from); not used in the math.
@@ -173,6 +179,8 @@ class EncoderConfig:
         object.__setattr__(self, "disentangled_terms", tuple(str(t).strip() for t in terms if str(t).strip()))
         llama3 = self.rope_llama3.split(",") if isinstance(self.rope_llama3, str) else self.rope_llama3
         object.__setattr__(self, "rope_llama3", tuple(float(v) for v in llama3 if str(v).strip()))
+        tokens = self.head_tokens.split(",") if isinstance(self.head_tokens, str) else self.head_tokens
+        object.__setattr__(self, "head_tokens", tuple(int(v) for v in tokens if str(v).strip()))
         for name, allowed in (
             ("scaling", SCALINGS),
             ("norm_placement", NORM_PLACEMENTS),
@@ -262,6 +270,13 @@ class EncoderConfig:
             raise ConfigError(f"vector_dim={self.vector_dim} must be >= 1 with head='multivector' and 0 otherwise")
         if self.head == "sparse" and self.input_kind != "tokens":
             raise ConfigError("head='sparse' needs input_kind='tokens' (its output has one entry per vocabulary id)")
+        if (self.head == "answer_tokens") != bool(self.head_tokens):
+            raise ConfigError(f"head_tokens={list(self.head_tokens)} go with head='answer_tokens' only, and it needs "
+                              "at least one")
+        if self.head == "answer_tokens" and (self.num_labels != 1 or self.input_kind != "tokens" or not all(
+                0 <= t < self.vocab_size for t in self.head_tokens)):
+            raise ConfigError(f"head='answer_tokens' needs num_labels=1, input_kind='tokens' and head_tokens within "
+                              f"[0, vocab_size={self.vocab_size}), got {list(self.head_tokens)}")
 
     def _check_disentangled(self) -> None:
         terms = self.disentangled_terms
@@ -331,6 +346,7 @@ def to_dict(config: EncoderConfig) -> dict[str, Any]:
     data["local_layers"] = list(config.local_layers)
     data["disentangled_terms"] = list(config.disentangled_terms)
     data["rope_llama3"] = list(config.rope_llama3)
+    data["head_tokens"] = list(config.head_tokens)
     return data
 
 

@@ -16,6 +16,11 @@ alike in the state dict:
                   sparse_embedding = max over valid tokens of log1p(relu(logits))         # (B, vocab)
                   The MLM head of BERT / RoBERTa / ModernBERT with sentence-transformers' SpladePooling
                   (max, relu). A row with no valid token gives zeros.
+  answer_tokens   an LLM reranker (Qwen3-Reranker): no transform, only `head.out` = Linear(D, k, bias=False)
+                  holding the lm_head rows of config.head_tokens (never the whole vocabulary's projection)
+                  answers = out(hidden at the last real token)                            # (B, k)
+                  logits = answers[:, -1] - logsumexp(answers[:, :-1])  (k = 1: answers) # (B, 1)
+                  so sigmoid(logits) = softmax(answers)[:, -1]: Qwen3-Reranker's P("yes") over ["no", "yes"].
 
   multivector     token_vectors = normalize(out(hidden)) per token                        # (B, T, vector_dim)
   (ColBERT)       PyLate's Dense projection (no bias, no activation) then its L2 normalisation; only
@@ -41,7 +46,7 @@ from torch import nn
 from model.activations import ACTIVATION_FUNCTIONS
 from model.config import EncoderConfig
 from model.norms import make_norm
-from model.pooling import first_token, mean_pool
+from model.pooling import first_token, last_token, mean_pool
 
 
 
@@ -116,6 +121,20 @@ class M3Head(nn.Module):
         return torch.cat([torch.cat([dense, vectors], dim=1), weights], dim=-1)  # (B, T, D + 1)
 
 
+class AnswerTokenHead(nn.Module):
+    """An LLM reranker's score: a few answer tokens' logits at the last real token, as one logit."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.out = nn.Linear(config.d_model, len(config.head_tokens), bias=False)  # the lm_head's rows
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        answers = self.out(last_token(hidden, attention_mask))  # (B, k)
+        if answers.shape[1] == 1:
+            return answers  # (B, 1)
+        return answers[:, -1:] - torch.logsumexp(answers[:, :-1], dim=1, keepdim=True)  # (B, 1)
+
+
 def build_head(config: EncoderConfig) -> nn.Module | None:
     """The head config.head names, or None for a headless encoder."""
     if config.head == "classification":
@@ -126,4 +145,6 @@ def build_head(config: EncoderConfig) -> nn.Module | None:
         return MultiVectorHead(config)
     if config.head == "m3":
         return M3Head(config)
+    if config.head == "answer_tokens":
+        return AnswerTokenHead(config)
     return None

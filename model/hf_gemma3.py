@@ -10,6 +10,10 @@ encoder, as config choices.
                bound sliding_window // 2 + 1); without it the model is causal and a sliding layer sees
                i − j <= sliding_window − 1.
 
+A Gemma3ForCausalLM exported with `--reranker-template bge-gemma` is an LLM reranker in
+bge-reranker-v2-gemma's recipe: its head (model/heads.py answer_tokens) keeps the lm_head row of "Yes" (the
+word embeddings' when tied, as Gemma3 ties them); a final_logit_softcapping is refused for it.
+
 Refused, naming it: attention logit soft-capping, rope scaling other than the default, attention biases,
 an activation other than gelu_pytorch_tanh. Loaded by the shared strict loader (model/hf_pretrained.py)
 through `FAMILY`.
@@ -86,6 +90,14 @@ def gemma3_config(hf: Mapping[str, Any], name: str, source: Mapping[str, Any] = 
     )
 
 
+def gemma3_head_config(hf: Mapping[str, Any], head: str) -> dict[str, Any]:
+    """The answer_tokens head's fields (none of its own); the lm_head logits' soft-capping is refused."""
+    if hf.get("final_logit_softcapping"):
+        raise CheckpointError(f"final_logit_softcapping={hf['final_logit_softcapping']!r} is not supported for an "
+                              "LLM reranker's answer tokens (their logits are read uncapped)")
+    return {}
+
+
 FAMILY = Family(
     model_types=GEMMA3_TYPES,
     prefix=GEMMA3_PREFIX,
@@ -93,4 +105,6 @@ FAMILY = Family(
     to_encoder=gemma3_to_encoder,
     name_in_checkpoint=encoder_to_gemma3_name,
     ignored_names=GEMMA3_IGNORED_NAMES,
+    heads={"answer_tokens": {"lm_head": "head.out"}},
+    head_config=gemma3_head_config,
 )

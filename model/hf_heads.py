@@ -9,6 +9,10 @@ the encoder and calls in here for the head.
                   CrossEncoder saves one), loaded strictly: every head tensor is used
   sparse          SPLADE: a *ForMaskedLM checkpoint's MLM head + sentence-transformers' SpladePooling (max, relu);
                   a SparseEncoder directory declares it (modules.json), `--head sparse` forces it
+  answer_tokens   an LLM reranker (Qwen3-Reranker; bge-reranker-v2-gemma's recipe on Gemma3): a *ForCausalLM
+                  checkpoint's lm_head rows of its answer tokens ("no", "yes"; "Yes"), under a prompt template
+                  (model/tasks.py RERANK_TEMPLATES) that `--reranker-template NAME` names; the rows are the word
+                  embeddings' when the checkpoint ties them
 
 The MLM decoder's weight is tied to the word embeddings in Hugging Face checkpoints: read from the checkpoint's
 decoder weight when it has one, else from the embedding matrix.
@@ -26,7 +30,7 @@ import torch
 from model.checkpoint import CheckpointError
 from model.config import ConfigError, EncoderConfig
 from model.hf_family import Family
-from model.tasks import TaskError, default_labels, score_activation, task_for
+from model.tasks import RERANK_TEMPLATES, TaskError, default_labels, score_activation, task_for, template_entry
 
 # The MLM decoder's weight (ours) and what it is tied to (ours): the word embeddings.
 TIED_DECODER = ("head.out.weight", "embeddings.tokens.weight")
@@ -40,13 +44,22 @@ PYLATE_DENSE = "pylate.models.Dense.Dense"  # a PyLate ColBERT's projection (mod
 # SpladePooling settings we compute; any other is refused naming it.
 SPLADE_SETTINGS: Mapping[str, str] = {"pooling_strategy": "max", "activation_function": "relu"}
 CROSS_ENCODER_TASK = "sequence-classification"  # sentence_bert_config.json's transformer_task of a CrossEncoder
+CAUSAL_LM = "ForCausalLM"  # the architectures an LLM reranker's answer_tokens head reads the lm_head of
 
 
-def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: str | None, drop_head: bool) -> str:
-    """The head to load: none when dropped (`--encoder-only`), else the one asked for (`--head`), else
+def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: str | None, drop_head: bool,
+                template: str | None = None) -> str:
+    """The head to load: answer_tokens under a reranker `template` (`--reranker-template`; only of a
+    *ForCausalLM checkpoint), none when dropped (`--encoder-only`), else the one asked for (`--head`), else
     sparse for a sentence-transformers SparseEncoder (a SpladePooling module), multivector for a PyLate
     ColBERT (its Dense module), classification for a
     *ForSequenceClassification architecture, else none (a base or MLM checkpoint exports its encoder)."""
+    if template is not None:
+        architectures = list(hf.get("architectures") or [])
+        if not any(a.endswith(CAUSAL_LM) for a in architectures):
+            raise CheckpointError(f"--reranker-template {template}: an LLM reranker is a *{CAUSAL_LM} checkpoint "
+                                  f"(its lm_head scores the answer tokens); this one is {architectures or 'unnamed'}")
+        return "answer_tokens"
     if drop_head:
         return "none"
     if requested:
@@ -60,8 +73,9 @@ def detect_head(hf: Mapping[str, Any], st_kinds: list[str | None], requested: st
     return "none"
 
 
-def head_fields(family: Family, hf: Mapping[str, Any], head: str) -> dict[str, Any]:
-    """EncoderConfig head fields for the family's head (model/heads.py), from config.json."""
+def head_fields(family: Family, hf: Mapping[str, Any], head: str, tokens: tuple[int, ...] = ()) -> dict[str, Any]:
+    """EncoderConfig head fields for the family's head (model/heads.py), from config.json (`tokens`: an
+    answer_tokens head's vocabulary ids, answer_token_ids)."""
     if head == "none":
         return {}
     if head not in family.heads or family.head_config is None:
@@ -70,12 +84,15 @@ def head_fields(family: Family, hf: Mapping[str, Any], head: str) -> dict[str, A
     fields: dict[str, Any] = {"head": head, **family.head_config(hf, head)}
     if head == "classification":
         fields["num_labels"] = len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+    if head == "answer_tokens":
+        fields.update(num_labels=1, head_tokens=tuple(tokens))
     return fields
 
 
-def with_head(config: EncoderConfig, family: Family, hf: Mapping[str, Any], head: str) -> EncoderConfig:
+def with_head(config: EncoderConfig, family: Family, hf: Mapping[str, Any], head: str,
+              tokens: tuple[int, ...] = ()) -> EncoderConfig:
     """`config` with the head's fields (head_fields); a CheckpointError naming what does not fit."""
-    fields = head_fields(family, hf, head)
+    fields = head_fields(family, hf, head, tokens)
     try:
         return config.replace(**fields)
     except ConfigError as exc:
@@ -94,10 +111,12 @@ class HeadTensors:
 
 
 def map_head_tensors(family: Family, head: str, tensors: Mapping[str, torch.Tensor], names: list[str],
-                     prefix: str, encoder: Mapping[str, torch.Tensor], encoder_names: Mapping[str, str]) -> HeadTensors:
+                     prefix: str, encoder: Mapping[str, torch.Tensor], encoder_names: Mapping[str, str],
+                     rows: tuple[int, ...] = (), tied: bool = True) -> HeadTensors:
     """The head's tensors among `names` (checkpoint names the encoder did not take), by the family's heads; the
-    decoder weight, when the checkpoint has none, from the word embeddings it is tied to (`encoder`: the
-    encoder's tensors in our names, `encoder_names`: their checkpoint names)."""
+    decoder weight, when the checkpoint has none and is `tied`, from the word embeddings it is tied to
+    (`encoder`: the encoder's tensors in our names, `encoder_names`: their checkpoint names). An answer_tokens
+    head keeps only the `rows` (vocabulary ids) of the lm_head (or of the tied embeddings)."""
     found = HeadTensors()
     if head == "none":
         return found
@@ -115,9 +134,12 @@ def map_head_tensors(family: Family, head: str, tensors: Mapping[str, torch.Tens
             found.ours[target], found.back[target] = tensors[name], name
         elif not torch.equal(found.ours[target], tensors[name]):  # else a tied copy
             found.unused.append(f"{name} (differs from its tied copy {found.back[target]})")
-    decoder, tied = TIED_DECODER
-    if head == "sparse" and decoder not in found.ours and tied in encoder:
-        found.ours[decoder], found.back[decoder] = encoder[tied], f"{encoder_names[tied]} (tied)"
+    decoder, embeddings = TIED_DECODER
+    if head in ("sparse", "answer_tokens") and decoder not in found.ours and embeddings in encoder and tied:
+        found.ours[decoder], found.back[decoder] = encoder[embeddings], f"{encoder_names[embeddings]} (tied)"
+    if head == "answer_tokens" and decoder in found.ours:  # (vocab, D) -> (k, D): only the answers' rows
+        found.ours[decoder] = found.ours[decoder][list(rows)].clone()
+        found.back[decoder] = f"{found.back[decoder]} rows {list(rows)}"
     return found
 
 
@@ -165,10 +187,33 @@ def cross_encoder_activation_fn(directory: Path, hf: Mapping[str, Any]) -> str |
     return declared if declared is not None else hf.get("sbert_ce_default_activation_function")
 
 
-def task_from_checkpoint(directory: Path, hf: Mapping[str, Any], config: EncoderConfig) -> dict:
+def answer_token_ids(tokenizer_file: Path | None, template: str) -> tuple[int, ...]:
+    """The vocabulary ids of reranker `template`'s answer tokens (transformers' convert_tokens_to_ids: the
+    token itself, never a text's tokenization) in tokenizer.json; a CheckpointError naming one it lacks."""
+    if template not in RERANK_TEMPLATES:
+        raise CheckpointError(f"reranker template {template!r} is not one of {', '.join(RERANK_TEMPLATES)}")
+    if tokenizer_file is None or not tokenizer_file.is_file():
+        raise CheckpointError(f"--reranker-template {template}: the checkpoint has no tokenizer.json to find its "
+                              "answer tokens in")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    ids = [tokenizer.token_to_id(token) for token in RERANK_TEMPLATES[template]["answers"]]
+    missing = [token for token, i in zip(RERANK_TEMPLATES[template]["answers"], ids) if i is None]
+    if missing:
+        raise CheckpointError(f"{tokenizer_file}: the reranker template {template!r} answers with token(s) "
+                              f"{missing}, not in its vocabulary")
+    return tuple(int(i) for i in ids)
+
+
+def task_from_checkpoint(directory: Path, hf: Mapping[str, Any], config: EncoderConfig,
+                         template: str | None = None) -> dict:
     """metadata.json's "task" (model/tasks.py) for a loaded checkpoint: labels from id2label in label-id
-    order, the score activation from the CrossEncoder's activation_fn, else problem_type, else num_labels."""
+    order, the score activation from the CrossEncoder's activation_fn, else problem_type, else num_labels;
+    an LLM reranker's from its `template` name and its answer ids (config.head_tokens)."""
     try:
+        if config.head == "answer_tokens":
+            return task_for(config, template=template_entry(template, config.head_tokens))
         if config.head != "classification":
             return task_for(config)
         id2label = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}

@@ -45,8 +45,9 @@ from model.encoder import Encoder
 from model.export_format import TOKENIZER_FILE, TokenizerEntry, sha256_file, write_dense
 from model.hf_dense import ST_DENSE, read_dense_modules
 from model.hf_family import Family
-from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, check_splade_pooling, check_transformer_task,
-                            PYLATE_DENSE, detect_head, head_name_in_checkpoint, map_head_tensors, task_from_checkpoint)
+from model.hf_heads import (ST_SPLADE_POOLING, SEQUENCE_CLASSIFICATION, PYLATE_DENSE, answer_token_ids,
+                            check_splade_pooling, check_transformer_task, detect_head, head_name_in_checkpoint,
+                            map_head_tensors, task_from_checkpoint)
 from model.hf_heads import with_head as family_with_head
 from model.hf_colbert import colbert_task, read_projection
 from model.hf_m3 import is_m3, m3_task, read_m3_head
@@ -105,11 +106,13 @@ ST_LAYOUTS: Mapping[str, tuple[list[str], ...]] = {
     "sparse": ([ST_SPLADE_POOLING],),
     "classification": ([],),
     "multivector": ([PYLATE_DENSE],),
+    "answer_tokens": ([],),
 }
 ST_LAYOUT_NAMES = {"none": "one Pooling module (+ Dense modules, + Normalize)",
                    "sparse": "one SpladePooling module (a SparseEncoder)",
                    "classification": "no other module (a CrossEncoder)",
-                   "multivector": "one PyLate Dense module (a PyLate ColBERT)"}
+                   "multivector": "one PyLate Dense module (a PyLate ColBERT)",
+                   "answer_tokens": "no other module (an LLM reranker)"}
 
 
 def _module_kind(kind: str | None) -> str | None:
@@ -338,7 +341,7 @@ def _check_dense_place(modules_file: Path, kinds: list[str | None], head: str) -
 
 
 def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head: bool = False,
-                    head: str | None = None,
+                    head: str | None = None, reranker_template: str | None = None,
                     before_weights: Callable[[EncoderConfig], None] | None = None) -> PretrainedModel:
     """A directory of a supported family as (config, eval-mode encoder with its task head, tokenizer file,
     pooling, max length, task, the Dense projection after pooling).
@@ -349,7 +352,9 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     *ForSequenceClassification architecture), none when `drop_head`. A checkpoint with a task head that is
     not loaded (TASK_HEAD_PREFIXES, or an architecture in TASK_ARCHITECTURES) is refused naming the head's
     tensors unless `drop_head`. `before_weights(config)` runs just before the weights are read (the exporter's
-    memory check: a checkpoint too big for the host is refused without reading it)."""
+    memory check: a checkpoint too big for the host is refused without reading it). `reranker_template` (a name
+    in model/tasks.py RERANK_TEMPLATES) loads a *ForCausalLM checkpoint as an LLM reranker: the answer_tokens
+    head, the lm_head rows of the template's answer tokens."""
     directory = Path(directory).resolve()
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -358,16 +363,18 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     model_type = hf.get("model_type")
     family = family_for(model_type, hf.get("architectures") or [])
     config = family.config(hf, name or _default_name(directory), {})
-    head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head)
+    head = detect_head(hf, [kind for kind, _ in st_modules(directory)], head, drop_head, reranker_template)
     if head == "none" and not drop_head and is_m3(directory):
         head = "m3"  # bge-m3: colbert_linear.pt and sparse_linear.pt beside the checkpoint (model/hf_m3.py)
     # a PyLate ColBERT's projection: the multivector head, whatever the family (model/hf_colbert.py)
     projection = read_projection(directory, st_modules(directory)) if head == "multivector" else None
     own_head = head in ("multivector", "m3")  # heads of no family's checkpoint names: read here
     family_head = "none" if own_head else head
+    tokenizer_file = directory / TOKENIZER_FILE
+    answers = answer_token_ids(tokenizer_file, reranker_template) if head == "answer_tokens" else ()
 
     def with_head(config: EncoderConfig, family, hf, head) -> EncoderConfig:
-        config = family_with_head(config, family, hf, family_head)
+        config = family_with_head(config, family, hf, family_head, answers)
         if head == "m3":
             return config.replace(head="m3")
         return config if projection is None else config.replace(head="multivector", vector_dim=len(projection))
@@ -391,7 +398,8 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         "weights": weights_file,
     }
     ours, back, ignored, unused = map_names(tensors, family)
-    found = map_head_tensors(family, family_head, tensors, ignored, family.prefix, ours, back)
+    found = map_head_tensors(family, family_head, tensors, ignored, family.prefix, ours, back, rows=answers,
+                             tied=head != "answer_tokens" or bool(hf.get("tie_word_embeddings")))
     ours, back, unused = {**ours, **found.ours}, {**back, **found.back}, unused + found.unused
     if projection is not None:
         ours["head.out.weight"] = torch.from_numpy(projection)
@@ -418,7 +426,6 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
     encoder = fit_encoder(config, ours, origin=str(directory / weights_file), checkpoint_names=back, unused=unused,
                           name_in_checkpoint=lambda n: (head_name_in_checkpoint(family, family_head, n)
                                                         or family.name_in_checkpoint(n)))
-    tokenizer_file = directory / TOKENIZER_FILE
     return PretrainedModel(
         config=config,
         encoder=encoder,
@@ -426,7 +433,7 @@ def load_pretrained(directory: str | Path, *, name: str | None = None, drop_head
         pooling=pooling,
         max_length=max_length,
         task=(colbert_task(directory, config) if projection is not None else m3_task(directory, config)
-              if head == "m3" else task_from_checkpoint(directory, hf, config)),
+              if head == "m3" else task_from_checkpoint(directory, hf, config, reranker_template)),
         dense=dense,
         **dict(zip(("prompts", "default_prompt_name"), read_prompts(directory))),
     )

@@ -10,6 +10,9 @@ Their embedding models pool the last real token (sentence-transformers' lasttoke
 after instructions given as prompts (config_sentence_transformers.json). Refused: sliding-window layers
 (use_sliding_window), rope scaling other than the default, an activation other than silu.
 
+A Qwen3ForCausalLM exported with `--reranker-template qwen3` is an LLM reranker (Qwen3-Reranker): its head
+(model/heads.py answer_tokens) keeps the lm_head rows of "no" and "yes" (the word embeddings' when tied).
+
 Loaded by the shared strict loader (model/hf_pretrained.py) through `FAMILY`.
 """
 
@@ -55,4 +58,6 @@ FAMILY = Family(
     name_in_checkpoint=encoder_to_qwen_name,
     ignored_names=DECODER_IGNORED_NAMES,
     ignored_prefixes=DECODER_IGNORED_PREFIXES,
+    heads={"answer_tokens": {"lm_head": "head.out"}},
+    head_config=lambda hf, head: {},  # answer_tokens: its rows are the template's (model/hf_heads.py)
 )

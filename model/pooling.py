@@ -22,5 +22,14 @@ def first_token(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:, 0]
 
 
+def last_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The last real token's hidden state (B, D): the highest position whose attention_mask is nonzero, so
+    right- and left-padded rows alike (a row with no valid token reads position 0)."""
+    positions = torch.arange(hidden.shape[1], device=hidden.device)[None]  # (1, T)
+    last = (positions * (attention_mask != 0).to(positions.dtype)).amax(dim=1)  # (B,)
+    index = last[:, None, None].expand(-1, 1, hidden.shape[2])  # (B, 1, D)
+    return torch.gather(hidden, 1, index)[:, 0]  # (B, D)
+
+
 def l2_normalize(vectors: torch.Tensor) -> torch.Tensor:
     return F.normalize(vectors, p=2.0, dim=-1)

@@ -13,7 +13,7 @@ from model.mask_kinds import MASK_INPUTS
 # The two outputs of every graph; a model with a task head (config.head) has a third, `head_output`.
 OUTPUT_NAMES = ("last_hidden_state", "mean_pooled")
 HEAD_OUTPUT_NAMES = {"classification": "logits", "sparse": "sparse_embedding", "multivector": "token_vectors",
-                     "m3": "m3_tokens"}
+                     "m3": "m3_tokens", "answer_tokens": "logits"}
 
 
 def input_specs(config: EncoderConfig, path: str = DENSE) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
@@ -43,6 +43,8 @@ def head_output(config: EncoderConfig) -> tuple[str, str, tuple[str | int, ...]]
         return HEAD_OUTPUT_NAMES["multivector"], "float32", ("batch", "sequence", config.vector_dim)
     if config.head == "m3":
         return HEAD_OUTPUT_NAMES["m3"], "float32", ("batch", "sequence", config.d_model + 1)
+    if config.head == "answer_tokens":  # one logit: the answer tokens' (model/heads.py AnswerTokenHead)
+        return HEAD_OUTPUT_NAMES["answer_tokens"], "float32", ("batch", 1)
     return None
 
 

@@ -12,6 +12,8 @@ Torch-free: the exporter writes it, the server reads it (docs/export-format.md "
    "query_expansion": true, "attend_to_expansion_tokens": false,
    "expansion_id": 103, "skiplist_ids": [...]}
   {"kind": "m3", "output": "m3_tokens", "unused_ids": [0, 1, 2, 3]}  bge-m3: dense, lexical weights, ColBERT
+  {"kind": "rerank", "output": "logits", "labels": ["yes"],       an LLM reranker (answer_tokens head), whose
+   "activation": "sigmoid", "pair": true, "template": {...}}     texts go through its prompt template
 
 "activation" turns logits into scores when a client does not ask for raw ones: a sentence-transformers
 CrossEncoder's own activation_fn when it names one, else the checkpoint's problem_type, else sigmoid for one
@@ -24,6 +26,15 @@ the first token. With query_expansion a query is padded with expansion_id ([MASK
 is answered (every query vector counts) but attended to only with attend_to_expansion_tokens. A document loses the
 vectors of its skiplist_ids tokens (PyLate's skiplist_words: punctuation). Score: MaxSim, the sum over the query's
 vectors of the largest dot product with a document's vectors (PyLate's colbert_scores).
+
+"template" (an LLM reranker: Qwen3-Reranker, bge-reranker-v2-gemma's recipe): how a query and a document become
+the token row the model reads, as its model card builds it: {"name", "parts", "instruction", "answers",
+"answer_ids"}. A row is the tokens of each of "parts" in order, each part tokenized alone without special tokens
+(a special token's own text, "<bos>", is its id); across the parts {query} and {document} appear once each and
+{instruction} (a request's, else "instruction", the default) at most once. Only the document's tokens are ever
+cut. "answers" are the answer tokens (the positive one last) and "answer_ids" their vocabulary ids, the head's
+head_tokens: the score is softmax over their logits at the last token, taken at the last answer (sigmoid of the
+head's one logit; one answer: sigmoid of its logit).
 """
 
 from __future__ import annotations
@@ -41,6 +52,28 @@ MULTIVECTOR_FIELDS: Mapping[str, tuple] = {
     "expansion_id": (int,), "skiplist_ids": (list,)}
 SCORE_ACTIVATIONS = ("sigmoid", "softmax", "none")
 EMBED: Mapping[str, Any] = {"kind": "embed"}
+# LLM rerankers' prompt templates by name (export --reranker-template), each as its model card writes it.
+RERANK_TEMPLATES: Mapping[str, Mapping[str, Any]] = {
+    # Qwen/Qwen3-Reranker-0.6B (4B, 8B alike): P("yes") of softmax over the "no" and "yes" logits
+    # (prefix tokens + the formatted pair + suffix tokens, as its process_inputs joins them)
+    "qwen3": {
+        "parts": ["<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+                  "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                  "<|im_start|>user\n",
+                  "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+                  "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"],
+        "instruction": "Given a web search query, retrieve relevant passages that answer the query",
+        "answers": ["no", "yes"],
+    },
+    # BAAI/bge-reranker-v2-gemma's get_inputs (bos, "A: query", sep, "B: passage", sep, prompt; each tokenized
+    # alone): the raw "Yes" logit at the last token (FlagLLMReranker's compute_score; normalize=True: sigmoid)
+    "bge-gemma": {
+        "parts": ["<bos>", "A: {query}", "\n", "B: {document}", "\n", "{instruction}"],
+        "instruction": "Given a query A and a passage B, determine whether the passage contains an answer to the "
+                       "query by providing a prediction of either 'Yes' or 'No'.",
+        "answers": ["Yes"],
+    },
+}
 # sentence-transformers' CrossEncoder stores activation_fn as a class path (torch.nn.modules.activation.Sigmoid,
 # torch.nn.modules.linear.Identity, ...): its class name -> our activation.
 ST_ACTIVATION_CLASSES: Mapping[str, str] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
@@ -78,12 +111,26 @@ def labels_of(task: Mapping[str, Any], num_labels: int) -> list[str]:
     return [str(v) for v in task.get("labels") or ()] or default_labels(num_labels)
 
 
-def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None) -> dict:
+def template_entry(name: str, answer_ids: Sequence[int]) -> dict:
+    """The task's "template" of RERANK_TEMPLATES[name] with its answers' vocabulary ids."""
+    if name not in RERANK_TEMPLATES:
+        raise TaskError(f"reranker template {name!r} is not one of {', '.join(RERANK_TEMPLATES)}")
+    return {"name": name, **RERANK_TEMPLATES[name], "answer_ids": [int(i) for i in answer_ids]}
+
+
+def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, activation: str | None = None,
+             template: Mapping[str, Any] | None = None) -> dict:
     """The "task" of a model with `config`: labels default to LABEL_0, LABEL_1, ... and the activation to
-    score_activation(num_labels)."""
+    score_activation(num_labels); an answer_tokens head's (an LLM reranker) is a rerank task with its
+    `template` (template_entry), scored by sigmoid."""
     head = head_output(config)
     if head is None:
         return dict(EMBED)
+    if config.head == "answer_tokens":
+        if template is None:
+            raise TaskError("task template: an answer_tokens head needs its prompt template")
+        return check_task({"kind": "rerank", "output": head[0], "labels": [str(template["answers"][-1])],
+                           "activation": "sigmoid", "pair": True, "template": dict(template)}, config)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
     if config.head in ("multivector", "m3"):
@@ -110,7 +157,11 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
                         f"(expected {expected!r})")
     if head is not None and task.get("output") != head[0]:
         raise TaskError(f"task output {task.get('output')!r} is not the head's output {head[0]!r}")
-    if config.head == "classification":
+    if (config.head == "answer_tokens") != ("template" in task):
+        raise TaskError(f"task template goes with an answer_tokens head (an LLM reranker) only; head={config.head!r}")
+    if config.head == "answer_tokens":
+        check_template(task["template"], config)
+    if config.head in ("classification", "answer_tokens"):
         labels = task.get("labels")
         if not isinstance(labels, (list, tuple)) or len(labels) != config.num_labels:
             raise TaskError(f"task labels {labels!r} are not {config.num_labels} label name(s)")
@@ -124,7 +175,8 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
         ids = task.get("unused_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids):
             raise TaskError(f"task unused_ids {ids!r} are not token ids within the vocabulary")
-    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in task.items()}
+    return {k: (list(v) if isinstance(v, (list, tuple)) else dict(v) if isinstance(v, Mapping) else v)
+            for k, v in task.items()}
 
 
 def check_multivector(task: Mapping[str, Any], config: EncoderConfig) -> None:
@@ -142,3 +194,22 @@ def check_multivector(task: Mapping[str, Any], config: EncoderConfig) -> None:
     ids = [task["query_marker_id"], task["document_marker_id"], task["expansion_id"], *task["skiplist_ids"]]
     if not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids if i is not None):
         raise TaskError(f"task token ids {ids} are not all within the vocabulary (0..{config.vocab_size - 1})")
+
+
+def check_template(template: Any, config: EncoderConfig) -> None:
+    """An LLM reranker's "template" (module docstring) against its head; a TaskError naming the field."""
+    if not isinstance(template, Mapping):
+        raise TaskError(f"task template {template!r} is not an object")
+    parts = template.get("parts")
+    if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, str) for p in parts):
+        raise TaskError(f"task template.parts {parts!r} is not a list of texts")
+    if not isinstance(template.get("instruction"), str):
+        raise TaskError(f"task template.instruction {template.get('instruction')!r} is not a text")
+    for field, least in (("{query}", 1), ("{document}", 1), ("{instruction}", 0)):
+        if not least <= sum(p.count(field) for p in parts) <= 1:
+            raise TaskError(f"task template.parts {list(parts)!r} must hold {field} {'once' if least else 'at most once'}")
+    answers, ids = template.get("answers"), template.get("answer_ids")
+    if not isinstance(answers, (list, tuple)) or not isinstance(ids, (list, tuple)) or len(answers) != len(ids) \
+            or list(ids) != list(config.head_tokens):
+        raise TaskError(f"task template answers {answers!r} / answer_ids {ids!r} are not the head's head_tokens "
+                        f"{list(config.head_tokens)}")

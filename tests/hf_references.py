@@ -1,7 +1,8 @@
 """Hugging Face references built locally at random initialisation (nothing comes from a hub): a
 word-level tokenizer and a ModernBERT embedding model as sentence-transformers saves it, and a
-SentenceTransformer saved, exported and served (`export_and_serve`). Shared by the tests of the checkpoint
-families and of sentence-transformers' modules."""
+SentenceTransformer saved, exported and served (`export_and_serve`); a Qwen3-Reranker-shaped Qwen3ForCausalLM
+with a Qwen-like tokenizer and the model card's transformers recipe (`CardRecipe`). Shared by the tests of the
+checkpoint families and of sentence-transformers' modules, and by bench/llm_rerank_bench.py."""
 
 from __future__ import annotations
 
@@ -110,3 +111,186 @@ def export_and_serve(model, tmp_path_factory, serve_start, name: str, graphs: st
     assert export_main(["--from-pretrained", str(directory), "--out-dir", str(out), "--name", name,
                         "--graphs", graphs, "--quiet"]) == 0
     return out / name, serve_start(out / name)
+
+
+# --- an LLM reranker (Qwen3-Reranker) and its model card's recipe -------------------------------------------------
+
+# the card's strings, written here as the card has them (model/tasks.py holds the export's copy)
+QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# Qwen3-Reranker-0.6B's layout at a small width (GQA, a head_dim of its own, q/k norms), untied lm_head.
+QWEN3_RERANKER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+RERANKER_MAX_LENGTH = 160  # the tokenizer's model_max_length: the export's max_text_tokens
+RERANKER_QUERY = "what is the long document encoder"
+RERANKER_DOCUMENTS = ["the encoder is a long document encoder", "a dog barks at the mailman",
+                      "it is the one that is long", "yes",
+                      "the a of and to in is that it for on with as was by this be"]
+
+
+def qwen_tokenizer():
+    """A byte-level BPE (as Qwen's) trained on the template's texts: <|endoftext|>, <|im_start|>, <|im_end|>
+    special, <think> and </think> added, "yes" and "no" single tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [QWEN3_PREFIX, QWEN3_BODY, QWEN3_SUFFIX, QWEN3_INSTRUCTION, " ".join(WORDS), RERANKER_QUERY,
+              *RERANKER_DOCUMENTS] * 5 + ["yes", "no"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
+    return tokenizer
+
+
+def save_qwen3_reranker(directory, seed: int = 0, max_length: int = RERANKER_MAX_LENGTH, **changes):
+    """A random Qwen3ForCausalLM and its tokenizer (model_max_length `max_length`), saved as transformers saves
+    them; `changes` to QWEN3_RERANKER (vocab_size: the tokenizer's unless given); returns the model."""
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = qwen_tokenizer()
+    config = Qwen3Config(**{"vocab_size": tokenizer.get_vocab_size(), **QWEN3_RERANKER, **changes})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = redraw(Qwen3ForCausalLM(config), seed=seed)
+    model.save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                            model_max_length=max_length).save_pretrained(str(directory))
+    return model
+
+
+class CardRecipe:
+    """Qwen3-Reranker-0.6B's model card recipe (transformers), on a checkpoint directory."""
+
+    def __init__(self, directory, max_length: int = RERANKER_MAX_LENGTH, prefix: str = QWEN3_PREFIX,
+                 suffix: str = QWEN3_SUFFIX, swap: bool = False) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory), padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory)).eval()  # the card: default attention
+        self.token_false_id = self.tokenizer.convert_tokens_to_ids("no")
+        self.token_true_id = self.tokenizer.convert_tokens_to_ids("yes")
+        if swap:  # the control: the rows the other way round
+            self.token_false_id, self.token_true_id = self.token_true_id, self.token_false_id
+        self.max_length = max_length
+        self.prefix_tokens = self.tokenizer.encode(prefix, add_special_tokens=False)
+        self.suffix_tokens = self.tokenizer.encode(suffix, add_special_tokens=False)
+
+    @staticmethod
+    def format_instruction(instruction, query, doc):
+        if instruction is None:
+            instruction = "Given a web search query, retrieve relevant passages that answer the query"
+        return "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}".format(
+            instruction=instruction, query=query, doc=doc)
+
+    def process_inputs(self, pairs):
+        inputs = self.tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
+                                max_length=self.max_length - len(self.prefix_tokens) - len(self.suffix_tokens))
+        for i, ele in enumerate(inputs["input_ids"]):
+            inputs["input_ids"][i] = self.prefix_tokens + ele + self.suffix_tokens
+        return self.tokenizer.pad(inputs, padding=True, return_tensors="pt", max_length=self.max_length)
+
+    @torch.no_grad()
+    def compute_logits(self, inputs):
+        batch_scores = self.model(**inputs).logits[:, -1, :]
+        true_vector = batch_scores[:, self.token_true_id]
+        false_vector = batch_scores[:, self.token_false_id]
+        batch_scores = torch.stack([false_vector, true_vector], dim=1)
+        batch_scores = torch.nn.functional.log_softmax(batch_scores, dim=1)
+        return batch_scores[:, 1].exp().tolist()
+
+    def scores(self, query, documents, instruction=None) -> np.ndarray:
+        pairs = [self.format_instruction(instruction, query, doc) for doc in documents]
+        return np.asarray(self.compute_logits(self.process_inputs(pairs)), np.float64)
+
+
+# --- bge-reranker-v2-gemma's recipe on a Gemma3ForCausalLM ---------------------------------------------------------
+
+BGE_GEMMA_PROMPT = ("Given a query A and a passage B, determine whether the passage contains an answer to the query "
+                    "by providing a prediction of either 'Yes' or 'No'.")
+# Gemma3's parts at a small width, causal (a CausalLM), sliding layers around a full one, tied lm_head (Gemma3's).
+GEMMA3_RERANKER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                       max_position_embeddings=1024)
+
+
+def gemma_tokenizer():
+    """A byte-level BPE trained on the bge prompt and the test texts: <pad>, <eos>, <bos> special, "Yes" one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [BGE_GEMMA_PROMPT, "A: B: \n", " ".join(WORDS), RERANKER_QUERY, *RERANKER_DOCUMENTS] * 5 + ["Yes"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def save_gemma3_reranker(directory, seed: int = 0, max_length: int = RERANKER_MAX_LENGTH, **changes):
+    """A random Gemma3ForCausalLM and its tokenizer (left padding, as the recipe needs), saved as transformers
+    saves them; returns the model."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    tokenizer = gemma_tokenizer()
+    ids = {name: tokenizer.token_to_id(name) for name in ("<pad>", "<eos>", "<bos>")}
+    config = Gemma3TextConfig(**{"vocab_size": tokenizer.get_vocab_size(), **GEMMA3_RERANKER, **changes},
+                              pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = redraw(Gemma3ForCausalLM(config), seed=seed)
+    model.save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            padding_side="left", model_max_length=max_length).save_pretrained(str(directory))
+    return model
+
+
+class BgeGemmaRecipe:
+    """bge-reranker-v2-gemma's model card recipe (transformers: get_inputs, the "Yes" logit at the last token)."""
+
+    def __init__(self, directory, max_length: int = 1024) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+        self.yes_loc = self.tokenizer("Yes", add_special_tokens=False)["input_ids"][0]
+        self.max_length = max_length
+
+    def get_inputs(self, pairs, prompt=None):
+        tokenizer, max_length = self.tokenizer, self.max_length
+        if prompt is None:
+            prompt = BGE_GEMMA_PROMPT
+        sep = "\n"
+        prompt_inputs = tokenizer(prompt, return_tensors=None, add_special_tokens=False)["input_ids"]
+        sep_inputs = tokenizer(sep, return_tensors=None, add_special_tokens=False)["input_ids"]
+        inputs = []
+        for query, passage in pairs:
+            query_inputs = tokenizer(f"A: {query}", return_tensors=None, add_special_tokens=False,
+                                     max_length=max_length * 3 // 4, truncation=True)
+            passage_inputs = tokenizer(f"B: {passage}", return_tensors=None, add_special_tokens=False,
+                                       max_length=max_length, truncation=True)
+            # the card's tokenizer.prepare_for_model(first, second, truncation="only_second", max_length=...,
+            # add_special_tokens=False), which transformers 5's tokenizers no longer have: the pair joined, the
+            # second cut from its end to fit
+            first = [tokenizer.bos_token_id] + query_inputs["input_ids"]
+            second = sep_inputs + passage_inputs["input_ids"]
+            item = {"input_ids": first + second[:max(0, max_length - len(first))]}
+            item["input_ids"] = item["input_ids"] + sep_inputs + prompt_inputs
+            item["attention_mask"] = [1] * len(item["input_ids"])
+            inputs.append(item)
+        return tokenizer.pad(inputs, padding=True, max_length=max_length + len(sep_inputs) + len(prompt_inputs),
+                             pad_to_multiple_of=8, return_tensors="pt")
+
+    @torch.no_grad()
+    def logits(self, query, documents, prompt=None) -> np.ndarray:
+        inputs = self.get_inputs([[query, doc] for doc in documents], prompt)
+        scores = self.model(**inputs, return_dict=True).logits[:, -1, self.yes_loc].view(-1, ).float()
+        return scores.numpy().astype(np.float64)

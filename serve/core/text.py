@@ -10,12 +10,14 @@ length, or, when the request sets `truncate`, re-tokenized with truncation to ma
 sentence-transformers does), or, when it sets `chunk`, re-tokenized into overlapping windows of
 max_length (tokenizers' own overflow with a stride of max_length / 8; each window has the special
 tokens) that the Engine pools back into one embedding per text. Padding is the batcher's job: texts become ordinary token rows and
-batch with every other request.
+batch with every other request. An LLM reranker's rows (`encode_templated`) are its prompt template's parts (with
+the query, the document, the instruction), each tokenized alone; only the document's tokens are ever cut.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import re
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -55,6 +57,7 @@ class TextTokenizer:
         self._windows.enable_truncation(max_length=max_length, stride=self.overlap)
         self.max_length = max_length
         self._file, self._config, self._limited = tokenizer_file, config, {max_length: self}
+        self._parts: dict[str, list[int]] = {}  # an LLM reranker's template parts (encode_templated)
         vocab = self._full.get_vocab_size(with_added_tokens=True)
         if vocab > config.vocab_size:
             raise ExportError(
@@ -155,6 +158,62 @@ class TextTokenizer:
         return (tuple(np.asarray(e.ids, dtype=np.int64) for e in encodings),
                 tuple(np.asarray(e.type_ids, dtype=np.int64) for e in encodings),
                 tuple(i in cut for i in range(len(encodings))))
+
+    def encode_templated(self, template: Mapping[str, Any], query: str, documents: Sequence[str], *,
+                         instruction: str | None = None, truncate: bool = False, direction: str = "right",
+                         fields: tuple[str, str] = ("query", "documents[{i}]"),
+                         ) -> tuple[tuple[np.ndarray, ...], tuple[bool, ...]]:
+        """An LLM reranker's rows (metadata.json task "template", model/tasks.py): the tokens of each of the
+        template's parts with the query, the document and the instruction (None: the template's) in place, each
+        part tokenized alone without special tokens, as the model card's recipe does: (int64 ids per row,
+        whether each was cut). A row over max_length is refused naming its document, or with `truncate` has
+        only its document's tokens cut (from `direction`); a query that leaves a document no token is refused
+        naming it. `fields`: the query's and the documents' names ({i}: the document)."""
+        first, second = fields
+        values = {"instruction": template["instruction"] if instruction is None else instruction, "query": query}
+        parts = [re.sub(r"\{(instruction|query)\}", lambda m: values[m.group(1)], part) if "{" in part else part
+                 for part in template["parts"]]
+        at = next(i for i, part in enumerate(template["parts"]) if "{document}" in part)
+        before, after = parts[at].split("{document}")
+        tokens = [self._part_tokens(part, fixed="{" not in raw) for part, raw in zip(parts, template["parts"])]
+        head, tail = [t for ids in tokens[:at] for t in ids], [t for ids in tokens[at + 1:] for t in ids]
+        budget = self.max_length - len(head) - len(tail)  # the document part's tokens
+        encodings = self._full.encode_batch([before + d + after for d in documents], add_special_tokens=False)
+        rows, cut = [], []
+        for i, (document, encoding) in enumerate(zip(documents, encodings)):
+            ids = encoding.ids
+            if len(ids) <= budget:
+                rows.append(np.asarray(head + ids + tail, dtype=np.int64))
+                cut.append(False)
+                continue
+            # the document's tokens: those covering any of its characters (" word" across its start is its own)
+            end = len(before) + len(document)
+            lead = sum(1 for _, stop in encoding.offsets if stop <= len(before))
+            trail = sum(1 for start, _ in encoding.offsets if start >= end) if after else 0
+            keep = budget - lead - trail
+            if keep < 1:
+                raise ValidationError(
+                    f"{first}: too long to pair with any document within max_text_tokens={self.max_length} (the "
+                    f"template and the instruction included; only the document is ever cut); shorten it")
+            if not truncate:
+                raise ValidationError(
+                    f"{second.format(i=i)}: in the template with {first} it makes {len(head) + len(ids) + len(tail)} "
+                    f"tokens, over max_text_tokens={self.max_length}; shorten it or set truncate=true (the document is "
+                    f"cut)")
+            body = ids[lead:len(ids) - trail]
+            body = body[:keep] if direction == "right" else body[len(body) - keep:]
+            rows.append(np.asarray(head + ids[:lead] + body + ids[len(ids) - trail:] + tail, dtype=np.int64))
+            cut.append(True)
+        return tuple(rows), tuple(cut)
+
+    def _part_tokens(self, part: str, fixed: bool) -> list[int]:
+        """One template part's tokens (without special tokens); a `fixed` part (no placeholder) tokenized once."""
+        if fixed and part in self._parts:
+            return self._parts[part]
+        ids = self._full.encode(part, add_special_tokens=False).ids if part else []
+        if fixed:
+            self._parts[part] = ids
+        return ids
 
     def head(self, text: str, tokens: int) -> str:
         """`text` cut after its first `tokens` tokens (special tokens not counted): Cohere's max_tokens_per_doc."""

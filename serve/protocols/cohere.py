@@ -17,7 +17,8 @@ The rules are the embed verb's (serve/core/tasks/embed.py).
 
   POST /v1/rerank, /v2/rerank
         {model, query, documents: [str | {text}], top_n, return_documents=false, truncate=true,
-         max_tokens_per_doc (v2: each document cut to at most this many tokens), raw_scores=false}
+         max_tokens_per_doc (v2: each document cut to at most this many tokens), raw_scores=false,
+         instruction (an LLM reranker's task instruction; ours, not Cohere's)}
         -> {id, results: [{index, relevance_score, document?: {text}}], model, usage: {total_tokens},
             meta: {api_version, billed_units: {search_units: 1}}}
 
@@ -125,7 +126,8 @@ def rerank_task(body: dict, *, objects: bool, truncate: bool = True) -> rerank.R
                     direction=direction(body.get("truncation_direction"))),
         top_n=fields.integer(body, "top_n", None, "an integer >= 1"),  # its range: the rerank verb's
         raw_scores=fields.flag(body, "raw_scores"),
-        max_tokens_per_doc=fields.integer(body, "max_tokens_per_doc", None, "a positive integer"))
+        max_tokens_per_doc=fields.integer(body, "max_tokens_per_doc", None, "a positive integer"),
+        instruction=fields.string(body, "instruction"))
 
 
 def start_rerank(api: Api, rpc, call: HttpCall, method: str, answer, *, objects: bool,

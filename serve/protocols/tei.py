@@ -7,7 +7,8 @@ and ranker, LangChain's HuggingFaceEndpointEmbeddings):
   POST /embed_all     {inputs, truncate, truncation_direction, prompt_name}    -> [[[float]]] (per token)
                       (a late-interaction model: its token vectors; ours: is_query=false, true for a query)
   POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name}    -> [[{index, value}]]
-  POST /rerank        {query, texts, raw_scores, return_text, truncate, truncation_direction}
+  POST /rerank        {query, texts, raw_scores, return_text, truncate, truncation_direction, instruction (an LLM
+                      reranker's task instruction; ours, not TEI's)}
                                                       -> [{index, score, text?}], highest score first
                       (a body with `documents` instead of `texts` is infinity's /rerank: serve/protocols/infinity.py)
   POST /predict       {inputs: str | [str, str] | [[str] | [str, str], ...], raw_scores, truncate,
@@ -145,7 +146,7 @@ def rerank_(api: Api, rpc, call: HttpCall, route: str | None = None) -> None:
         asked["texts"] = fields.documents(body.get("texts"), "texts")
         task = rerank.RerankTask(fields.query(body.get("query")), asked["texts"],
                                  _text_options(body, prompts=False), raw_scores=fields.flag(body, "raw_scores"),
-                                 documents_field="texts")
+                                 documents_field="texts", instruction=fields.string(body, "instruction"))
         return rerank.submit(engine, task, rpc.deadline)
 
     def render(engine, result, _) -> bytes:

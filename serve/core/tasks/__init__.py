@@ -45,7 +45,7 @@ from serve.errors import ValidationError, quote
 TASKS = TASK_KINDS  # model/tasks.py: what an export's metadata.json "task" may say
 DESCRIBED = {
     "embed": "an embedding model",
-    "rerank": "a re-ranker (a cross-encoder: one score per query-document pair)",
+    "rerank": "a re-ranker (a cross-encoder or an LLM reranker: one score per query-document pair)",
     "classify": "a classifier",
     "sparse": "a sparse (SPLADE) embedding model",
     "multivector": "a late-interaction (ColBERT) model: token vectors, MaxSim scores",

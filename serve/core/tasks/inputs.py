@@ -117,6 +117,23 @@ def pair_rows(engine, pairs: tuple[tuple[str, str], ...], options: TextOptions,
     return TextRows(sequences, truncated, (), types)
 
 
+def template_of(engine) -> dict | None:
+    """An LLM reranker's prompt template (metadata.json task "template", model/tasks.py), or None."""
+    return engine.export.metadata.task.get("template")
+
+
+def templated_rows(engine, query: str, documents: tuple[str, ...], options: TextOptions, instruction: str | None,
+                   fields: tuple[str, str] = ("query", "documents[{i}]"), count_field: str = "documents") -> TextRows:
+    """An LLM reranker's rows: the query and each document in the export's prompt template (with `instruction`,
+    None: the template's own); only the document is ever cut (serve/core/text.py encode_templated)."""
+    text = tokenizer(engine, count_field)
+    engine.limits.check_count(len(documents), count_field)
+    sequences, truncated = text.encode_templated(template_of(engine), query, documents, instruction=instruction,
+                                                 truncate=options.truncate, direction=options.direction,
+                                                 fields=fields)
+    return TextRows(sequences, truncated)
+
+
 def present(text: str, field: str) -> str:
     """`text` when it holds at least one character; ValidationError naming `field` (the one rule of an empty
     text, for every task and every protocol's field readers)."""

@@ -4,6 +4,12 @@ Cohere's and Jina's /v1/rerank and /v2/rerank, infinity's /rerank, encoder.v1 Re
 document is refused naming it. Scores are the head's one logit through the export's activation (or raw);
 the ranking is highest score first, equal scores in document order, the first `top_n`. A late-interaction
 (multivector) model scores each document by MaxSim against the query (multivector.py), raw.
+
+An LLM reranker (Qwen3-Reranker, bge-reranker-v2-gemma's recipe; metadata.json task "template", model/tasks.py)
+reads each pair through its prompt template (Qwen3: prefix, "<Instruct>: {instruction}\n<Query>: {query}\n
+<Document>: {document}", suffix), with the request's `instruction` or the template's default one; its score is
+the sigmoid of the head's logit (Qwen3: "yes" minus "no", so P("yes")), its raw score that logit. `instruction`
+on a model without a template is refused naming it.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import numpy as np
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending, multivector
 from serve.core.tasks.classify import activate, activation_of
-from serve.core.tasks.inputs import TextOptions, non_empty, pair_rows, present, tokenizer
-from serve.errors import ValidationError
+from serve.core.tasks.inputs import (TextOptions, non_empty, pair_rows, present, template_of, templated_rows,
+                                     tokenizer)
+from serve.errors import ValidationError, quote
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,7 @@ class RerankTask:
     max_tokens_per_doc: int | None = None  # each document cut to at most this many tokens first (Cohere v2)
     request_id: str = ""
     documents_field: str = "documents"  # how errors name the documents (TEI's: texts)
+    instruction: str | None = None  # an LLM reranker's task instruction; None: its template's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +60,18 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
             raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
         text = tokenizer(engine, field)
         documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
+    if task.instruction is not None and template_of(engine) is None:
+        raise ValidationError(f"instruction: model {quote(engine.name)} is a cross-encoder without a prompt template; "
+                              "instruction fits an LLM reranker (an export with a reranker template); leave it out")
     if engine.task == "multivector":  # MaxSim of token vectors (multivector.py); the scores are raw
         return multivector.rank(engine, task.query, documents, task.text, task.request_id, field, deadline,
                                 lambda scores, documents: Ranking(scores, ranking(scores, task.top_n), documents))
-    rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
-                     count_field=field)
+    if template_of(engine) is not None:
+        rows = templated_rows(engine, task.query, documents, task.text, task.instruction,
+                              ("query", f"{field}[{{i}}]"), count_field=field)
+    else:
+        rows = pair_rows(engine, tuple((task.query, d) for d in documents), task.text, ("query", f"{field}[{{i}}]"),
+                         count_field=field)
     work = Work(rows.sequences, scores=True, request_id=task.request_id, types=rows.types, truncated=rows.truncated)
     activation = activation_of(engine)
 
