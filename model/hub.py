@@ -1,8 +1,10 @@
 """Model ids: `ORG/NAME[@REVISION]` resolved to a checkpoint directory by huggingface_hub, wherever a directory
 is taken (`python -m export --from-pretrained`, `python -m serve --model`). No torch here: the server reads it.
 
-  parse_spec("bge=BAAI/bge-base-en-v1.5@main")  ModelSpec(name, source, revision): the name to serve under
-                                                (default: the id's last part, lowercased), an id or a directory
+  parse_spec("bge=BAAI/bge-base-en-v1.5@main")  ModelSpec(name, source, revision, options): the name to serve
+                                                under (default: the id's last part, lowercased), an id or a
+                                                directory, and the model's own export options, if any
+                                                ("rr=Qwen/Qwen3-Reranker-0.6B --reranker-template qwen3")
   split_revision("BAAI/bge-base-en-v1.5@main") ("BAAI/bge-base-en-v1.5", "main")
   resolve(source, revision)                    Resolved(source, revision, commit, directory): a directory as
                                                 is; an id through huggingface_hub's snapshot_download, which
@@ -18,6 +20,7 @@ written here.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +37,19 @@ class HubError(ValueError):
     """A model id that cannot be resolved; the message is one line: the id, the cache, what to do."""
 
 
+# the exporter's options that whoever exports a model by id sets itself: not a spec's to give
+SET_BY_THE_SERVER = ("--from-pretrained", "--out-dir", "--name")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model to serve: `name` it is served under, `source` an id or a directory, `revision` of an id."""
+    """One model to serve: `name` it is served under, `source` an id or a directory, `revision` of an id, `options`
+    of `python -m export` for its export (e.g. `--reranker-template qwen3`; part of the export cache's key)."""
 
     name: str
     source: str
     revision: str | None = None
+    options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,16 +70,25 @@ def is_id(source: str) -> bool:
 
 
 def parse_spec(text: str) -> ModelSpec:
-    """`[NAME=]ID[@REVISION]` or `[NAME=]DIRECTORY`; the name defaults to the id's (or directory's) last part,
-    lowercased. Raises HubError on an empty part."""
-    text = text.strip()
+    """`[NAME=]ID[@REVISION] [EXPORT OPTIONS]` or `[NAME=]DIRECTORY [EXPORT OPTIONS]` (words as a shell splits them);
+    the name defaults to the id's (or directory's) last part, lowercased. Raises HubError on an empty part, or an
+    option the server sets itself (SET_BY_THE_SERVER)."""
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        raise HubError(f"model {text!r}: {error}") from None
+    text, options = (words[0], tuple(words[1:])) if words else ("", ())
+    taken = [o for o in options if o.split("=", 1)[0] in SET_BY_THE_SERVER]
+    if taken:
+        raise HubError(f"model {text!r}: {taken[0].split('=', 1)[0]} is set by the server for a model it exports; "
+                       "give only the export's other options")
     name, sep, rest = text.partition("=")
     if not sep:
         name, rest = "", text
     source, revision = split_revision(rest)
     if not source or (sep and not name) or revision == "":
         raise HubError(f"model {text!r}: expected [NAME=]ORG/NAME[@REVISION] or [NAME=]DIRECTORY")
-    return ModelSpec(name or Path(source.rstrip("/")).name.lower(), source, revision)
+    return ModelSpec(name or Path(source.rstrip("/")).name.lower(), source, revision, options)
 
 
 def split_revision(text: str) -> tuple[str, str | None]:

@@ -259,6 +259,27 @@ def test_the_exporter_takes_a_model_id_and_a_revision(hub, tmp_path):
     assert str(hub["snapshots"][RERANKER_ID + "@v2"]) in json.dumps(source)
 
 
+def test_a_qwen3_reranker_by_id_with_its_export_option_ranks_as_the_model_cards_recipe(hub, serve_start, tmp_path):
+    """The option a checkpoint needs to be served as what it is (here `--reranker-template qwen3`: Qwen3-Reranker is a
+    Qwen3ForCausalLM, which exports as an embedder without it) travels with its id in the models file."""
+    from tests.hf_references import RERANKER_DOCUMENTS, RERANKER_QUERY, CardRecipe, save_qwen3_reranker
+
+    checkpoint = tmp_path / "qwen3-reranker"
+    save_qwen3_reranker(checkpoint)
+    commit = add_revision(hub["cache"], "test-org/tiny-qwen3-reranker", checkpoint)
+    models = tmp_path / "models.txt"
+    models.write_text("# an LLM reranker needs its template\nrr=test-org/tiny-qwen3-reranker --reranker-template qwen3\n")
+    server = serve_start(REPO, "--models-file", str(models), "--export-cache", str(tmp_path / "export-cache"), *FLAGS,
+                         env=_offline(hub), timeout=600)
+    answer = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/rerank", timeout=60,
+                        json={"model": "rr", "query": RERANKER_QUERY, "documents": RERANKER_DOCUMENTS})
+    assert answer.status_code == 200, answer.text
+    scores = {r["index"]: r["relevance_score"] for r in answer.json()["results"]}
+    snapshot = hub["cache"] / "models--test-org--tiny-qwen3-reranker" / "snapshots" / commit
+    expected = CardRecipe(snapshot).scores(RERANKER_QUERY, RERANKER_DOCUMENTS)
+    np.testing.assert_allclose([scores[i] for i in range(len(RERANKER_DOCUMENTS))], expected, atol=SCORE_ATOL, rtol=0)
+
+
 # -- without a server: the rules, each in its one place --------------------------------------------------------
 
 def test_a_spec_names_the_model_its_id_and_revision():
@@ -266,6 +287,21 @@ def test_a_spec_names_the_model_its_id_and_revision():
 
     assert parse_spec("BAAI/bge-base-en-v1.5") == ModelSpec("bge-base-en-v1.5", "BAAI/bge-base-en-v1.5", None)
     assert parse_spec("bge=BAAI/bge-base-en-v1.5@v1.5") == ModelSpec("bge", "BAAI/bge-base-en-v1.5", "v1.5")
+
+
+def test_a_spec_may_carry_the_models_own_export_options():
+    from model.hub import ModelSpec, parse_spec
+
+    assert parse_spec("rr=Qwen/Qwen3-Reranker-0.6B@main --reranker-template qwen3 --graphs 'fp32,optimized'") == \
+        ModelSpec("rr", "Qwen/Qwen3-Reranker-0.6B", "main", ("--reranker-template", "qwen3", "--graphs", "fp32,optimized"))
+
+
+@pytest.mark.parametrize("option", ["--out-dir /tmp/x", "--name=other", "--from-pretrained org/other"])
+def test_an_export_option_the_server_sets_itself_is_refused_naming_it(option):
+    from model.hub import HubError, parse_spec
+
+    with pytest.raises(HubError, match=f"{option.split()[0].split('=')[0]} is set by the server"):
+        parse_spec(f"org/name {option}")
 
 
 @pytest.mark.parametrize("text", ["=org/name", "org/name@", "name="])

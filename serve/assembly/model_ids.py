@@ -1,5 +1,6 @@
 """Models named by id: `python -m serve --model BAAI/bge-base-en-v1.5` (repeatable; `NAME=ID`, `ID@REVISION`, a
-checkpoint or export directory; `--models-file` lists them one per line, for compose and k8s).
+checkpoint or export directory, then the model's own export options if it needs any, e.g. `rr=Qwen/Qwen3-Reranker-0.6B
+--reranker-template qwen3`; `--models-file` lists them one per line, for compose and k8s).
 
 Before the server listens, each model is resolved (model/hub.py: huggingface_hub's cache, HF_HUB_OFFLINE,
 HF_TOKEN) and, unless it already is an export, looked up in the export cache (model/export_cache.py,
@@ -27,6 +28,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -104,7 +106,11 @@ def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: 
     """(the export to serve for a resolved model, where it came from: "given" (the source is an export), "hit" (the
     export cache had it) or "exported" (by this start))."""
     if (resolved.directory / METADATA_FILE).is_file():  # already an export: served as it is
+        if spec.options:
+            raise ModelSourceError(f"model {spec.name} ({spec.source}) is an export already: the export options "
+                                   f"{shlex.join(spec.options)} apply to a checkpoint; give them to its export")
         return resolved.directory, "given"
+    options = [*options, *spec.options]  # the model's own after the server's: an option given twice, the model's
     what = f"{spec.name} ({spec.source}{'@' + spec.revision if spec.revision else ''})"
     source = {"source": spec.source, "revision": spec.revision, "commit": resolved.commit}
     files = checkpoint_files(resolved.directory)  # hashed once: a directory's weights are read whole
@@ -113,7 +119,8 @@ def export_of(spec: ModelSpec, resolved: Resolved, cache: ExportCache, options: 
             f"model {what} is not in the export cache {cache.root} and this installation cannot export (no torch: "
             "the export extra); fill the cache where it is installed (the export image: `docker compose --profile "
             "export run --rm export` with the same MODEL_IDS, or `pip install '.[export]'`): python -m serve "
-            f"--prepare-only true --model {spec.source} --export-cache {cache.root}")
+            f"--prepare-only true --model {shlex.quote(shlex.join([spec.source, *spec.options]))} "
+            f"--export-cache {cache.root}")
     export, exported = cache.get(files, options, source,
                                  lambda out_dir, name: run_exporter(resolved.directory, options, out_dir, name, what))
     return export, "exported" if exported else "hit"
