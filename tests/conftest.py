@@ -240,6 +240,29 @@ def serve_reference(serve_export_dir):
     return pytorch_reference(serve_export_dir)
 
 
+# --- clients of a test module's own `server` fixture (the task-route modules each start one) ---------------
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx.Client on the HTTP port of the requesting module's `server`."""
+    import httpx
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """An encoder.v1 EncoderService stub on the gRPC port of the requesting module's `server`."""
+    import grpc
+
+    from serve.protocols.pb import pb_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.EncoderServiceStub(channel)
+
+
 # --- reliability fixtures (tests/test_reliability_*.py, docs/reliability.md) ------------------------
 
 

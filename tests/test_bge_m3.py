@@ -6,8 +6,6 @@ return_colbert_vecs) on the same directory, in process."""
 
 from __future__ import annotations
 
-import grpc
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch
 from model.checkpoint import CheckpointError
 from model.export_format import read_metadata
 from model.hf_pretrained import load_pretrained
-from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.pb import pb
 from tests.hf_references import ROBERTA, redraw, word_tokenizer
 
 pytest.importorskip("FlagEmbedding")
@@ -73,18 +71,6 @@ def export_dir(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(serve_start, export_dir):
     return serve_start(export_dir, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
 
 
 def _weights(rows) -> list[dict[str, float]]:

@@ -9,12 +9,11 @@ Reference: PyLate 1.6.0 in process (tests/pylate_reference.py: the sentence-tran
 from __future__ import annotations
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 
 from model.export_format import read_metadata
-from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.pb import pb
 from tests.pylate_reference import pylate_colbert
 
 pytest.importorskip("pylate")
@@ -72,18 +71,6 @@ def repository(colbert, variants, tmp_path_factory):
 def server(serve_start, repository):
     return serve_start(repository / "colbert", "--model-repository", str(repository), "--default-model", "colbert",
                        timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
 
 
 def _pylate(colbert, texts, is_query):

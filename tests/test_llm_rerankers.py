@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import numpy as np
 import onnx
 import pytest
@@ -79,12 +78,6 @@ def repository(checkpoint, gemma_checkpoint, tmp_path_factory):
 def server(serve_start, repository):
     return serve_start(repository / "qwen3-reranker", "--model-repository", str(repository), "--default-model",
                        "qwen3-reranker", timeout=180)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
-        yield client
 
 
 def _tei_scores(http, query, texts, **fields) -> np.ndarray:

@@ -14,11 +14,10 @@ import base64
 import shutil
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 
-from serve.protocols.pb import pb, pb_grpc
+from serve.protocols.pb import pb
 
 ATOL = 1e-4  # float embeddings against SentenceTransformer.encode
 TEXTS = ["I love this film.", "The plot made no sense at all.", "It was fine, I guess.", "Paris is in France."]
@@ -80,18 +79,6 @@ def server(serve_start, checkpoints, tmp_path_factory):
                      "--graphs", "fp32", "--quiet"]) == 0
     return serve_start(repository / "embedder", "--model-repository", str(repository), "--default-model", "embedder",
                        timeout=180)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -103,18 +102,6 @@ def server(serve_start, repository):
     Haystack's ranker posts to <host>/rerank whatever its URL's path)."""
     return serve_start(repository / "reranker", "--model-repository", str(repository), "--default-model", "reranker",
                        timeout=180)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
