@@ -19,7 +19,6 @@ import argparse
 import http.client
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import LOOPBACK, WORDS, running_server
+from bench.harness import LOOPBACK, WORDS, rerank_requests, running_server, tei_rerank
 
 VECTOR_DIM = 96
 
@@ -51,24 +50,11 @@ def _model(root: Path, layers: int):
 
 
 def _requests(count: int) -> list[tuple[str, list[str]]]:
-    rng = random.Random(7)
-
-    def text(n):
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-    return [(text(rng.randint(5, 12)), [text(rng.randint(50, 170)) for _ in range(32)]) for _ in range(count)]
+    return rerank_requests(count, WORDS, (50, 170))
 
 
 def _rerank(conn: http.client.HTTPConnection, query: str, documents: list[str]) -> np.ndarray:
-    conn.request("POST", "/rerank", json.dumps({"query": query, "texts": documents, "truncate": True}).encode(),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    body = response.read()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {body[:300]!r}")
-    scores = np.zeros(len(documents))
-    for r in json.loads(body):
-        scores[r["index"]] = r["score"]
-    return scores
+    return tei_rerank(conn, {"query": query, "texts": documents, "truncate": True}, len(documents))
 
 
 def _timed(call, requests) -> list[float]:

@@ -411,3 +411,29 @@ def token_ids(vocab_size: int, length: int, seed: int) -> np.ndarray:
 def sentence(n_words: int, rng: random.Random) -> str:
     """A capitalised sentence of `n_words` common English words (about one token each)."""
     return " ".join(rng.choice(WORDS) for _ in range(n_words)).capitalize() + "."
+
+
+def rerank_requests(count: int, words: Sequence[str], document_words: tuple[int, int], seed: int = 7,
+                    documents: int = 32) -> list[tuple[str, list[str]]]:
+    """`count` (query, documents) pairs of random `words`: a query of 5-12 words, `documents` documents of
+    `document_words` (least, most) words each."""
+    rng = random.Random(seed)
+
+    def text(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+    return [(text(rng.randint(5, 12)), [text(rng.randint(*document_words)) for _ in range(documents)])
+            for _ in range(count)]
+
+
+def tei_rerank(conn, body: dict, documents: int) -> np.ndarray:
+    """POST /rerank (TEI's shape) with `body` on an http.client connection: the scores in document order
+    (RuntimeError with the status and the body's start on anything but 200)."""
+    conn.request("POST", "/rerank", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    answer = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {answer[:300]!r}")
+    scores = np.zeros(documents)
+    for item in json.loads(answer):
+        scores[item["index"]] = item["score"]
+    return scores

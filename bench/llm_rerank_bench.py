@@ -25,7 +25,6 @@ import argparse
 import http.client
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 
 import numpy as np
 
-from bench.harness import LOOPBACK, cpu_seconds, running_server, spread
+from bench.harness import LOOPBACK, cpu_seconds, rerank_requests, running_server, spread, tei_rerank
 
 SHAPES = {
     "tiny": {},
@@ -47,24 +46,11 @@ MAX_LENGTH = 1024
 def _requests(count: int, seed: int = 7) -> list[tuple[str, list[str]]]:
     from tests.hf_references import WORDS
 
-    rng = random.Random(seed)
-
-    def text(n):
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-    return [(text(rng.randint(5, 12)), [text(rng.randint(50, 300)) for _ in range(32)]) for _ in range(count)]
+    return rerank_requests(count, WORDS, (50, 300), seed)
 
 
 def _rerank(conn: http.client.HTTPConnection, query: str, documents: list[str]) -> np.ndarray:
-    conn.request("POST", "/rerank", json.dumps({"model": "reranker", "query": query, "texts": documents}).encode(),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    body = response.read()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {body[:300]!r}")
-    scores = np.zeros(len(documents))
-    for item in json.loads(body):
-        scores[item["index"]] = item["score"]
-    return scores
+    return tei_rerank(conn, {"model": "reranker", "query": query, "texts": documents}, len(documents))
 
 
 def main(argv=None) -> None:
