@@ -222,6 +222,23 @@ def test_grpc_rerank_scores_equal_the_model_cards_recipe(server, card):
     np.testing.assert_allclose(got, card.scores(QUERY, DOCUMENTS), atol=SCORE_ATOL)
 
 
+def test_grpc_rerank_takes_an_instruction_as_the_card_does(server, card):
+    import grpc
+
+    from serve.protocols.pb import pb, pb_grpc
+
+    instruction = "Given a question, retrieve the document that answers it"
+    with grpc.insecure_channel(server.target) as channel:
+        response = pb_grpc.EncoderServiceStub(channel).Rerank(
+            pb.RerankRequest(model="qwen3-reranker", query=QUERY, documents=DOCUMENTS, instruction=instruction),
+            timeout=60)
+    got = np.zeros(len(DOCUMENTS))
+    for result in response.results:
+        got[result.index] = result.score
+    np.testing.assert_allclose(got, card.scores(QUERY, DOCUMENTS, instruction), atol=SCORE_ATOL)
+    assert np.abs(got - card.scores(QUERY, DOCUMENTS)).max() > TELLING
+
+
 def test_swapped_rows_or_no_template_move_the_scores(http, checkpoint, card):
     """The controls: the recipe with "yes" and "no" the other way round, or without the prompt template."""
     got = _tei_scores(http, QUERY, DOCUMENTS)

@@ -128,7 +128,8 @@ def response_metadata(result: EncodeResult, engine, received: float) -> "pb.Resp
 
 def rerank_task(msg: "pb.RerankRequest") -> rerank.RerankTask:
     return rerank.RerankTask(msg.query, tuple(msg.documents), _text(msg, prompts=False), top_n=msg.top_n or None,
-                             raw_scores=msg.raw_scores, request_id=msg.request_id)
+                             raw_scores=msg.raw_scores, request_id=msg.request_id,
+                             instruction=msg.instruction if msg.HasField("instruction") else None)
 
 
 def rerank_response(msg: "pb.RerankRequest", result: rerank.Ranking, engine, received: float) -> bytes:
