@@ -242,6 +242,7 @@ def test_kserve_v2_rest_embeddings_in_uint8_and_binary(http):
     ({"input_type": "image"}, "input_type:", "search_document"),
     ({"truncate": "MIDDLE"}, "truncate:", "START"),
     ({"max_tokens": 8}, "max_tokens:", "truncate"),
+    ({"output_dimension": 5000}, "output_dimension:", "out of range [1, "),
 ])
 def test_bad_cohere_embed_bodies_are_refused_naming_the_field(http, body, field, fits):
     answer = http.post("/v2/embed", json={"model": "embedder", "texts": TEXTS, "input_type": "search_query", **body})

@@ -49,11 +49,11 @@ def project(vectors: np.ndarray, dense: tuple[Dense, ...]) -> np.ndarray:
     return vectors
 
 
-def check_dimensions(dimensions: int | None, width: int) -> None:
+def check_dimensions(dimensions: int | None, width: int, field: str = "dimensions") -> None:
     """A Matryoshka `dimensions` (the first N values of each embedding) must be within the embeddings' `width`
     (the projection's output where the model has one, else d_model); None: not asked."""
     if dimensions is not None and not 1 <= dimensions <= width:
-        raise ValidationError(f"dimensions: {dimensions} out of range [1, {width}] "
+        raise ValidationError(f"{field}: {dimensions} out of range [1, {width}] "
                               f"(this model's embeddings have {width})")
 
 

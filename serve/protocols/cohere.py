@@ -86,7 +86,7 @@ def embed_task(body: dict, engine) -> tuple[embed.EmbedTask, tuple[str, ...], bo
         Inputs(fields.texts(texts, "texts"), text=TextOptions(options.truncate, options.direction,
                                                               prompt_name(engine, input_type))),
         dimensions=fields.integer(body, "output_dimension", None, "a positive integer"),
-        encodings=types, encoding_field="embedding_types")
+        encodings=types, encoding_field="embedding_types", dimensions_field="output_dimension")
     return task, types, by_type
 
 

@@ -26,10 +26,11 @@ class EmbedTask:
     request_id: str = ""
     encodings: tuple[str, ...] = ()  # output encodings (serve/core/encodings.py); (): float only
     encoding_field: str = "encoding"  # what errors name it: the protocol's field
+    dimensions_field: str = "dimensions"  # the same, for dimensions
 
 
 def submit(engine, task: EmbedTask, deadline: float | None = None) -> Pending:
     return encode.submit(engine, encode.EncodeTask(task.inputs, task.mask, False, task.pooling, task.normalize,
                                                    task.dimensions, task.chunk, task.request_id,
-                                                   task.encodings, task.encoding_field),
+                                                   task.encodings, task.encoding_field, task.dimensions_field),
                          deadline, embedding=True)

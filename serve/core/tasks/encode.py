@@ -39,6 +39,7 @@ class EncodeTask:
     encodings: tuple[str, ...] = ()  # output encodings of the pooled embeddings (serve/core/encodings.py);
     #                                  (): float only, the embeddings as they are
     encoding_field: str = "encoding"  # what errors name it: the protocol's field
+    dimensions_field: str = "dimensions"  # the same, for dimensions
     is_query: bool = False  # a multivector model: the texts are queries (expanded), else documents
     maxsim_query: str | None = None  # a multivector model: each text (a document) scored by MaxSim against it
 
@@ -62,8 +63,8 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
                 f"pooling: model {engine.name!r} is {DESCRIBED[engine.task]}; it answers its head's output "
                 f"(scores), not pooled embeddings: ask for pooling none (or leave it unset)")
         if task.dimensions is not None:
-            raise ValidationError(f"dimensions: model {engine.name!r} is {DESCRIBED[engine.task]}; it answers its "
-                                  f"head's output (scores), which has no dimensions to cut")
+            raise ValidationError(f"{task.dimensions_field}: model {engine.name!r} is {DESCRIBED[engine.task]}; it "
+                                  f"answers its head's output (scores), which has no dimensions to cut")
         pooling, normalize, scores = "none", False, True
         quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
         if quantized:
@@ -74,8 +75,8 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
         pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
         if task.dimensions is not None:
             if pooling == "none":
-                raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
-            check_dimensions(task.dimensions, engine.embedding_width)
+                raise ValidationError(f"{task.dimensions_field}: no pooled embedding is asked for (pooling none) to cut")
+            check_dimensions(task.dimensions, engine.embedding_width, task.dimensions_field)
         normalize = engine.export.default_normalize if task.normalize is None else task.normalize
         scores = False
         check_encodings(task, pooling, normalize)
@@ -178,8 +179,8 @@ def _m3(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pe
         raise ValidationError(f"pooling: {described}; its dense embedding is its first token's (pooling first)")
     if task.dimensions is not None:
         if pooling == "none":
-            raise ValidationError("dimensions: no pooled embedding is asked for (pooling none) to cut")
-        check_dimensions(task.dimensions, engine.embedding_width)
+            raise ValidationError(f"{task.dimensions_field}: no pooled embedding is asked for (pooling none) to cut")
+        check_dimensions(task.dimensions, engine.embedding_width, task.dimensions_field)
     check_encodings(task, pooling, True)
     rows = text_rows(engine, task.inputs)
     work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)
