@@ -125,6 +125,18 @@ def test_cohere_embed_encodes_the_dense_embeddings_as_quantize_embeddings(http, 
     assert by_type["ubinary"] == quantize_embeddings(floats, "ubinary").tolist()
 
 
+def test_kserve_v2_answers_the_dense_embeddings_and_the_colbert_vectors(http, reference):
+    (model,) = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert [o["name"] for o in http.get(f"/v2/models/{model}").json()["outputs"]] == ["last_hidden_state", "embeddings"]
+    answer = http.post(f"/v2/models/{model}/infer", json={
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [len(TEXTS)], "data": TEXTS}]})
+    assert answer.status_code == 200, answer.text
+    outputs = {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in answer.json()["outputs"]}
+    np.testing.assert_allclose(outputs["embeddings"], reference["dense_vecs"], atol=ATOL, rtol=0)
+    colbert = reference["colbert_vecs"]
+    _assert_vectors_equal([row[:len(c)] for row, c in zip(outputs["last_hidden_state"], colbert)], colbert)
+
+
 def test_lexical_weights_equal_bgem3_lexical_weights(http, reference):
     answer = http.post("/embed_sparse", json={"inputs": TEXTS})
     assert answer.status_code == 200, answer.text

@@ -149,6 +149,19 @@ def test_grpc_encode_of_queries_expands_them_as_pylate(stub, colbert):
     _assert_vectors_equal(got, _pylate(colbert, QUERIES[:2], True))
 
 
+def test_kserve_v2_answers_documents_token_vectors_as_its_one_output(http, colbert):
+    """v2 has no query: a text is a document, its vectors as PyLate's (the rest of its row zeros)."""
+    assert [o["name"] for o in http.get("/v2/models/colbert").json()["outputs"]] == ["last_hidden_state"]
+    answer = http.post("/v2/models/colbert/infer", json={
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [len(DOCUMENTS)], "data": DOCUMENTS}]})
+    assert answer.status_code == 200, answer.text
+    (out,) = answer.json()["outputs"]
+    got = np.asarray(out["data"], np.float32).reshape(out["shape"])
+    want = _pylate(colbert, DOCUMENTS, False)
+    _assert_vectors_equal([row[:len(w)] for row, w in zip(got, want)], want)
+    assert all(not row[len(w):].any() for row, w in zip(got, want))
+
+
 # -- MaxSim ----------------------------------------------------------------------------------------------------
 
 def test_tei_rerank_scores_are_pylates_maxsim_best_first(http, colbert):

@@ -62,6 +62,7 @@ SERVER_NAME = "onnx-encoder-service"
 MODEL_VERSION = "1"  # the one version served; "" (server's choice) also selects it
 PLATFORM = "onnxruntime_onnx"
 OUTPUTS = ("last_hidden_state", "embeddings")
+EMBEDDING_TASKS = ("embed", "m3")  # the tasks whose v2 outputs are OUTPUTS (pooling picks which are answered)
 # v2 datatype <-> little-endian numpy dtype, and the InferTensorContents field for each.
 DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("bool")}
 OUTPUT_DATATYPES = {"<f4": "FP32", "|i1": "INT8", "|u1": "UINT8"}  # an answer's numpy dtype -> its v2 datatype
@@ -280,9 +281,15 @@ KNOWN = {(tokens, texts): {"input_ids" if tokens else "inputs_embeds", "attentio
 
 
 def outputs_of(engine: Engine) -> tuple[str, ...]:
-    """The v2 outputs of a model: the hidden states, and its embeddings or, for a model with a head
-    (serve/core/tasks/), the head's output ("logits" [B, labels], "sparse_embedding" [B, vocab])."""
-    return OUTPUTS if engine.task == "embed" else ("last_hidden_state", engine.export.row_output)
+    """The v2 outputs of a model: the hidden states, and its embeddings (an embedder; bge-m3: its dense embedding
+    beside its ColBERT vectors) or, for a model with a head (serve/core/tasks/), the head's output ("logits"
+    [B, labels], "sparse_embedding" [B, vocab]); a late-interaction model's token vectors alone, as its hidden
+    states (a document's: v2 has no query)."""
+    if engine.task in EMBEDDING_TASKS:
+        return OUTPUTS
+    if engine.task == "multivector":
+        return OUTPUTS[:1]
+    return ("last_hidden_state", engine.export.row_output)
 
 
 def _flag(params: dict, name: str) -> bool:
@@ -298,15 +305,15 @@ def _task(msg, params: dict, engine: Engine, inputs: Inputs, mask: MaskChoice) -
     output, raw: the activation and labels are the task APIs')."""
     outputs = outputs_of(engine)
     pooling = pooling_name(str(params.get("pooling") or ""), field="parameters.pooling")
-    if engine.task == "embed":  # which outputs a model has depends on its default pooling (ModelMetadata)
+    if engine.task in EMBEDDING_TASKS:  # which outputs a model has depends on its default pooling (ModelMetadata)
         pooling = resolve_pooling(pooling, engine.export.default_pooling)
         requested = [o.name for o in msg.outputs] or [o for o in outputs if o != "embeddings" or pooling != "none"]
     else:
-        requested = [o.name for o in msg.outputs] or [outputs[1]]
+        requested = [o.name for o in msg.outputs] or [outputs[-1]]
     for name in requested:
         if name not in outputs:
             raise ValidationError(f"outputs: unknown output {quote(name)}; this model has {', '.join(outputs)}")
-    if engine.task == "embed":
+    if engine.task in EMBEDDING_TASKS:
         if "embeddings" in requested and pooling == "none":
             raise ValidationError("outputs: embeddings requested with parameters.pooling='none'")
         if "embeddings" not in requested:
@@ -415,8 +422,8 @@ def model_metadata(engine: Engine):
         name=engine.name, versions=[MODEL_VERSION], platform=PLATFORM,
         inputs=[first, T(name="attention_mask", datatype="INT64", shape=[-1, -1]),
                 T(name="custom_mask", datatype="BOOL", shape=[-1, -1, -1]), *texts],
-        outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.d_model]),
-                 T(name=outputs_of(engine)[1], datatype="FP32", shape=[-1, _row_width(engine)])],
+        outputs=[T(name="last_hidden_state", datatype="FP32", shape=[-1, -1, config.vector_dim or config.d_model]),
+                 *[T(name=name, datatype="FP32", shape=[-1, _row_width(engine)]) for name in outputs_of(engine)[1:]]],
     )
 
 
@@ -424,7 +431,7 @@ def _row_width(engine: Engine) -> int:
     """The width of the per-row output: the embeddings' (d_model, or the projection's output), a head's labels,
     or the vocabulary."""
     config = engine.export.config
-    if engine.task == "embed":
+    if engine.task in EMBEDDING_TASKS:
         return engine.embedding_width
     return config.vocab_size if engine.task == "sparse" else config.num_labels
 
