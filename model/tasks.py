@@ -45,6 +45,8 @@ from model.config import EncoderConfig
 from model.signature import head_output
 
 TASK_KINDS = ("embed", "rerank", "classify", "sparse", "multivector", "m3")
+# the heads whose output is per token (the server reads it as the hidden states); their task kind is the head's name
+PER_TOKEN_KINDS = ("multivector", "m3")
 # a multivector task's fields besides kind and output: name -> the types it may hold (None: null allowed)
 MULTIVECTOR_FIELDS: Mapping[str, tuple] = {
     "query_marker_id": (int, type(None)), "document_marker_id": (int, type(None)), "query_length": (int,),
@@ -133,7 +135,7 @@ def task_for(config: EncoderConfig, *, labels: Sequence[str] | None = None, acti
                            "activation": "sigmoid", "pair": True, "template": dict(template)}, config)
     if config.head == "sparse":
         return {"kind": "sparse", "output": head[0]}
-    if config.head in ("multivector", "m3"):
+    if config.head in PER_TOKEN_KINDS:
         raise TaskError(f"a {config.head} task needs its checkpoint's settings (model/hf_colbert.py colbert_task, "
                         f"model/hf_m3.py m3_task)")
     labels = default_labels(config.num_labels) if labels is None else [str(v) for v in labels]
@@ -150,7 +152,7 @@ def check_task(task: Mapping[str, Any], config: EncoderConfig) -> dict:
                         f"{', '.join(TASK_KINDS)}")
     head = head_output(config)
     kind = task["kind"]
-    expected = "embed" if head is None else config.head if config.head in ("sparse", "multivector", "m3") else \
+    expected = "embed" if head is None else config.head if config.head in ("sparse", *PER_TOKEN_KINDS) else \
         "rerank" if config.num_labels == 1 else "classify"
     if kind != expected:
         raise TaskError(f"task kind {kind!r} does not fit head={config.head!r} with num_labels={config.num_labels} "

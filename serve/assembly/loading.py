@@ -19,6 +19,7 @@ import numpy as np
 from model.signature import head_output
 
 from model.config import EncoderConfig
+from model.tasks import PER_TOKEN_KINDS
 from serve import logs
 from serve.core import batch_plan
 from serve.core.attention_budget import AttentionBudget, default_budget
@@ -55,7 +56,7 @@ def probe(backend: Backend, export: ExportDir) -> None:
     rows, length = 2, min(5, config.position_limit or 5)
     hidden, pooled = backend.encode(dummy_batch(config, rows, length))
     head = head_output(config)  # the per-row output: a head's, else the mean embedding
-    if export.task in ("multivector", "m3"):  # its head's output is read as the hidden states; the mean beside it
+    if export.task in PER_TOKEN_KINDS:  # its head's output is read as the hidden states; the mean beside it
         head = None
     want_hidden = (rows, length, export.hidden_width)
     want_pooled = (rows, config.d_model if head is None else head[2][1])
@@ -65,7 +66,7 @@ def probe(backend: Backend, export: ExportDir) -> None:
             f"metadata.json config says {list(want_hidden)} / {list(want_pooled)}; graph and metadata do not match"
         )
     embeddings = project(pooled, export.dense) if head is None else pooled
-    if head is None and export.task not in ("multivector", "m3") and embeddings.shape != (rows, export.embedding_width):
+    if head is None and export.task not in PER_TOKEN_KINDS and embeddings.shape != (rows, export.embedding_width):
         raise BackendError(f"{export.path}: the projection after pooling gave embeddings of shape "
                            f"{list(embeddings.shape)}, metadata.json says [{rows}, {export.embedding_width}]")
     if not (np.isfinite(hidden).all() and np.isfinite(embeddings).all()):

@@ -16,10 +16,8 @@ from model.attention_paths import DENSE, PATHS
 from model.config import EncoderConfig
 from model.export_format import FORMAT, METADATA_FILE, Metadata
 from model.projection import Dense
+from model.tasks import PER_TOKEN_KINDS
 from serve.errors import BackendError
-
-# tasks whose head answers per token: read as the hidden states (`hidden_output`)
-PER_TOKEN_TASKS = ("multivector", "m3")
 
 
 class ExportError(export_format.ExportError, BackendError):
@@ -79,7 +77,7 @@ class ExportDir:
         """The graph output the server reads per row beside the hidden states: the head's (metadata.json
         "task" output), else the mean-pooled embedding (a multivector model's head output is per token: it is
         read as the hidden states, `hidden_output`)."""
-        if self.task in PER_TOKEN_TASKS:
+        if self.task in PER_TOKEN_KINDS:
             return "mean_pooled"
         return str(self.metadata.task.get("output") or "mean_pooled")
 
@@ -88,7 +86,7 @@ class ExportDir:
         """The graph output the server reads per token: the last hidden states, or the per-token head output of
         a multivector model (token vectors [B, T, vector_dim]) or of bge-m3 (m3_tokens [B, T, D + 1]): what its
         hidden states are to every verb."""
-        return str(self.metadata.task["output"]) if self.task in PER_TOKEN_TASKS else "last_hidden_state"
+        return str(self.metadata.task["output"]) if self.task in PER_TOKEN_KINDS else "last_hidden_state"
 
     @functools.cached_property
     def hidden_width(self) -> int:

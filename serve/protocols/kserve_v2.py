@@ -48,7 +48,7 @@ from serve.core import encodings
 from serve.core.engine import Engine
 from serve.core.pooling import pooling_name, resolve_pooling
 from serve.core.requests import EncodeResult, MaskChoice, mask_choice
-from serve.core.tasks import encode
+from serve.core.tasks import SERVES, encode
 from serve.core.tasks.encode import EncodeTask
 from serve.core.tasks.inputs import Inputs, TextOptions
 from serve.errors import ServeError, ValidationError, clip, listing, quote
@@ -62,7 +62,8 @@ SERVER_NAME = "onnx-encoder-service"
 MODEL_VERSION = "1"  # the one version served; "" (server's choice) also selects it
 PLATFORM = "onnxruntime_onnx"
 OUTPUTS = ("last_hidden_state", "embeddings")
-EMBEDDING_TASKS = ("embed", "m3")  # the tasks whose v2 outputs are OUTPUTS (pooling picks which are answered)
+# the tasks whose v2 outputs are OUTPUTS (pooling picks which are answered): those the embed verb serves
+EMBEDDING_TASKS = SERVES["embed"]
 # v2 datatype <-> little-endian numpy dtype, and the InferTensorContents field for each.
 DATATYPES = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("bool")}
 OUTPUT_DATATYPES = {"<f4": "FP32", "|i1": "INT8", "|u1": "UINT8"}  # an answer's numpy dtype -> its v2 datatype

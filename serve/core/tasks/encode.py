@@ -66,17 +66,11 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
             raise ValidationError(f"{task.dimensions_field}: model {engine.name!r} is {DESCRIBED[engine.task]}; it "
                                   f"answers its head's output (scores), which has no dimensions to cut")
         pooling, normalize, scores = "none", False, True
-        quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
-        if quantized:
-            raise ValidationError(
-                f"{task.encoding_field}: {quantized[0]} encodes a pooled embedding; model {engine.name!r} is "
-                f"{DESCRIBED[engine.task]} and answers its head's output (scores): ask for float")
+        no_quantized(task, f"; model {engine.name!r} is {DESCRIBED[engine.task]} and answers its head's output "
+                           f"(scores): ask for float")
     else:
         pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
-        if task.dimensions is not None:
-            if pooling == "none":
-                raise ValidationError(f"{task.dimensions_field}: no pooled embedding is asked for (pooling none) to cut")
-            check_dimensions(task.dimensions, engine.embedding_width, task.dimensions_field)
+        check_pooled_dimensions(task, pooling, engine.embedding_width)
         normalize = engine.export.default_normalize if task.normalize is None else task.normalize
         scores = False
         check_encodings(task, pooling, normalize)
@@ -94,13 +88,27 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
     return Pending(ticket, lambda result: finish(result, work, task.dimensions, task.encodings))
 
 
+def check_pooled_dimensions(task: EncodeTask, pooling: str, width: int) -> None:
+    """`dimensions` cuts a pooled embedding (none asked: refused) of `width` values."""
+    if task.dimensions is not None:
+        if pooling == "none":
+            raise ValidationError(f"{task.dimensions_field}: no pooled embedding is asked for (pooling none) to cut")
+        check_dimensions(task.dimensions, width, task.dimensions_field)
+
+
+def no_quantized(task: EncodeTask, why: str) -> None:
+    """A quantized encoding (int8, uint8, binary, ubinary) is of a pooled embedding: refused where there is none,
+    naming the request's encoding field; `why` ends the message."""
+    quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
+    if quantized:
+        raise ValidationError(f"{task.encoding_field}: {quantized[0]} encodes a pooled embedding{why}")
+
+
 def check_encodings(task: EncodeTask, pooling: str, normalize: bool) -> None:
     """The output encodings fit an embed model's request: a pooled embedding to encode, and for int8 / uint8
     normalised embeddings (serve/core/encodings.py: their range is fixed at [-1, 1])."""
-    quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
-    if quantized and pooling == "none":
-        raise ValidationError(f"{task.encoding_field}: {quantized[0]} encodes a pooled embedding, and none is "
-                              "asked for (pooling none)")
+    if pooling == "none":
+        no_quantized(task, ", and none is asked for (pooling none)")
     scalar = [name for name in task.encodings if name in encoding_rules.SCALAR]
     if scalar and not normalize:
         low, high = encoding_rules.RANGE
@@ -142,10 +150,8 @@ def _token_vectors(engine, task: EncodeTask, deadline: float | None, embedding: 
     if task.mask.kind is not None or task.mask.custom is not None:
         raise ValidationError(f"mask: model {engine.name!r} is {DESCRIBED['multivector']}; its queries and documents "
                               f"attend as the model was trained to: send no mask")
-    quantized = [name for name in task.encodings if name in encoding_rules.QUANTIZED]
-    if quantized:
-        raise ValidationError(f"{task.encoding_field}: {quantized[0]} encodes a pooled embedding; model "
-                              f"{engine.name!r} is {DESCRIBED['multivector']} and answers token vectors: ask for float")
+    no_quantized(task, f"; model {engine.name!r} is {DESCRIBED['multivector']} and answers token vectors: ask for "
+                       f"float")
     if task.maxsim_query is None:
         if not task.hidden_states:
             raise ValidationError(f"hidden_states: model {engine.name!r} is {DESCRIBED['multivector']}; ask for its "
@@ -168,8 +174,7 @@ def _m3(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pe
     """bge-m3 (m3.py): its dense embedding as the pooled embedding (pooling first, the model's default), its
     ColBERT vectors as the hidden states."""
     described = f"model {engine.name!r} is {DESCRIBED['m3']}"
-    if not task.inputs.texts:
-        raise ValidationError(f"sequences: {described}; send texts")
+    m3.texts_only(engine, task.inputs)
     if task.mask.kind is not None or task.mask.custom is not None or task.chunk:
         raise ValidationError(f"mask: {described}; it is encoded as trained: send no mask, no chunk")
     if task.normalize is False:
@@ -177,10 +182,7 @@ def _m3(engine, task: EncodeTask, deadline: float | None, embedding: bool) -> Pe
     pooling = resolve_pooling(task.pooling, engine.export.default_pooling, embedding=embedding)
     if pooling not in ("none", "first"):
         raise ValidationError(f"pooling: {described}; its dense embedding is its first token's (pooling first)")
-    if task.dimensions is not None:
-        if pooling == "none":
-            raise ValidationError(f"{task.dimensions_field}: no pooled embedding is asked for (pooling none) to cut")
-        check_dimensions(task.dimensions, engine.embedding_width, task.dimensions_field)
+    check_pooled_dimensions(task, pooling, engine.embedding_width)
     check_encodings(task, pooling, True)
     rows = text_rows(engine, task.inputs)
     work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)

@@ -18,7 +18,15 @@ import dataclasses
 import numpy as np
 
 from serve.core.requests import EncodeResult, Work
-from serve.core.tasks import Pending
+from serve.core.tasks import DESCRIBED, Pending
+from serve.core.tasks.inputs import Inputs
+from serve.errors import ValidationError
+
+
+def texts_only(engine, inputs: Inputs) -> None:
+    """bge-m3 takes texts (its verbs tokenize them): token ids are refused naming `sequences`."""
+    if not inputs.texts:
+        raise ValidationError(f"sequences: model {engine.name!r} is {DESCRIBED['m3']}; send texts")
 
 
 def submit(engine, work: Work, answer, deadline: float | None = None) -> Pending:

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serve.core.requests import EncodeResult, Work
-from serve.core.tasks import DESCRIBED, Pending, m3
-from serve.errors import ValidationError
+from serve.core.tasks import Pending, m3
 from serve.core.tasks.inputs import Inputs, text_rows
 
 
@@ -31,8 +30,7 @@ class SparseVectors:
 def submit(engine, task: SparseTask, deadline: float | None = None) -> Pending:
     inputs = task.inputs
     if engine.task == "m3":  # bge-m3's lexical weights (m3.py)
-        if not inputs.texts:
-            raise ValidationError(f"sequences: model {engine.name!r} is {DESCRIBED['m3']}; send texts")
+        m3.texts_only(engine, inputs)
         rows = text_rows(engine, inputs)
         work = Work(rows.sequences, request_id=task.request_id, truncated=rows.truncated)
         return m3.submit(engine, work, lambda engine, result, sequences: SparseVectors(
