@@ -1,6 +1,7 @@
 """The request path on a GPU host (issue 40): does the server keep the GPU busy? One command, under 8 minutes:
 
-    python -m bench.gpu_request_path [--front-ends 0,8] [--seconds 30] [--clients 256] [--out FILE]
+    python -m bench.gpu_request_path [--front-ends 0,8] [--protocols grpc,http] [--seconds 30] [--clients 256]
+                                     [--serve-flags "--instances 2"] [--out FILE]
 
 1. A BERT-base-shaped model (12 layers, 768 wide, 12 heads, random weights; bert-base-uncased's vocabulary
    through the packaged all-MiniLM-L6-v2 tokenizer, which is its own) is written as a Hugging Face directory
@@ -176,10 +177,10 @@ class GpuBusy:
 
 
 def server_load(export: Path, device: str, front_ends: int, protocol: str, clients: int, tokens: int,
-                seconds: float) -> dict:
+                seconds: float, serve_flags: tuple[str, ...] = ()) -> dict:
     flags = ["--device", device, "--graph", "fp16" if device == "cuda" else "optimized", "--metrics-port", "0",
              "--metrics-host", "127.0.0.1", "--http-port", "0", "--max-queue-size", str(4 * clients),
-             *(["--front-ends", str(front_ends)] if front_ends else [])]
+             *(["--front-ends", str(front_ends)] if front_ends else []), *serve_flags]
     with running_server(export, flags) as server:
         queue = multiprocessing.get_context("spawn").Queue()
         per = [clients // PROCESSES + (1 if i < clients % PROCESSES else 0) for i in range(PROCESSES)]
@@ -207,7 +208,8 @@ def server_load(export: Path, device: str, front_ends: int, protocol: str, clien
     requests = delta("encoder_sequences_total")
     runs = delta("encoder_batch_size_count")
     latencies = [lat for lats, _ in results for lat in lats]
-    return {"front_ends": front_ends, "protocol": protocol, "clients": clients, "seconds": seconds,
+    return {"front_ends": front_ends, "protocol": protocol, "serve_flags": " ".join(serve_flags), "clients": clients,
+            "seconds": seconds,
             "requests_per_s": requests / seconds, "tokens_per_s": requests * tokens / seconds,
             "rows_per_run": requests / runs if runs else None, **latency_summary(latencies),
             "errors": sum(e for _, e in results), "gpu_busy": busy.fraction,
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_request_path", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--front-ends", default="", help="comma-separated (default: 0 and min(8, CPUs // 2))")
+    parser.add_argument("--protocols", default="grpc,http", help="comma-separated: grpc (Encode with texts), http "
+                        "(OpenAI /v1/embeddings)")
+    parser.add_argument("--serve-flags", default="", help="more `python -m serve` flags for every server, e.g. "
+                        "\"--instances 2 --max-batch-size 64\"")
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=50, help="tokens per text, special tokens included")
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -235,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     export = make_export(workdir, TINY if args.quick else BERT_BASE, args.device)
     print(f"export {export} ready after {time.monotonic() - started:.0f} s", flush=True)
     rows = []
+    serve_flags = tuple(args.serve_flags.split())
     for count in counts:
-        for protocol in ("grpc", "http"):
-            r = server_load(export, args.device, count, protocol, args.clients, args.tokens, args.seconds)
+        for protocol in args.protocols.split(","):
+            r = server_load(export, args.device, count, protocol, args.clients, args.tokens, args.seconds, serve_flags)
             rows.append(r)
-            print(f"front ends {count} {protocol:4s}: {r['tokens_per_s']:9.0f} tokens/s  {r['requests_per_s']:7.0f} "
+            print(f"front ends {count} {protocol:4s} {args.serve_flags}: {r['tokens_per_s']:9.0f} tokens/s  {r['requests_per_s']:7.0f} "
                   f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
                   f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "
                   f"server CPU {r['server_cpu_ms_per_request']:.3f} ms/req  errors {r['errors']}", flush=True)

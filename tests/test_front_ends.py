@@ -21,6 +21,7 @@ import pytest
 
 from client import EncoderClient, build_request, parse_response
 from serve.protocols.pb import pb_grpc
+from tests.concurrency import call_concurrently
 from tests.reliability_common import assert_sigterm_under_load_answers_every_accepted_request, wait_until
 
 FRONT_ENDS = "2"
@@ -103,6 +104,30 @@ def test_answers_through_front_ends_equal_one_processs(pair):
         _post(front, "/v1/embeddings", body)
     assert status_one == status_front == 200
     np.testing.assert_allclose(front_json["data"][0]["embedding"], one_json["data"][0]["embedding"], atol=ATOL)
+
+
+def test_concurrent_calls_answered_in_bursts_each_get_their_own_answer(pair):
+    """Calls that share runs come back from the engine in bursts (one message for the answers a run finished,
+    serve/core/ipc.py): each call, whatever it asked (hidden states or not, its own lengths), gets its own."""
+    one, front = pair
+    rng = np.random.default_rng(1)
+    asked = [([rng.integers(1, 100, n) for n in (3 + i % 5, 9 + i)], i % 2 == 0) for i in range(12)]
+    with EncoderClient(one.target, retries=0) as client:
+        expected = [client.encode(sequences, hidden_states=hidden) for sequences, hidden in asked]
+    connections = _channels(front, 3)
+    try:
+        got = call_concurrently(lambda i: connections[i % 3].encode(asked[i][0], hidden_states=asked[i][1]),
+                                len(asked))
+    finally:
+        for connection in connections:
+            connection.close()
+    for (sequences, hidden), g, e in zip(asked, got, expected):
+        assert g is not None
+        np.testing.assert_allclose(g.embeddings, e.embeddings, atol=ATOL, rtol=0)
+        assert g.token_counts == e.token_counts == tuple(len(s) for s in sequences)
+        assert bool(g.hidden_states) == hidden
+        for gh, eh in zip(g.hidden_states or (), e.hidden_states or ()):
+            np.testing.assert_allclose(gh, eh, atol=ATOL, rtol=0)
 
 
 def test_a_refusal_is_the_same_through_a_front_end(pair):

@@ -8,8 +8,10 @@ answers) and send the checked rows to the engine over the wire (serve/core/ipc.p
                  (`FrontEnds`) once they can be told what to serve, writes the port file once every one
                  listens, drains them on SIGTERM, reloads on SIGHUP; it takes no request itself
   EngineService  the engine's end of the wire: each front end's work into the model's batcher (admitted as a
-                 call: a drain or an unload waits for it), each answer back to the front end that asked, their
-                 repository calls run on a few threads, the served models and state told to every front end
+                 call: a drain or an unload waits for it), each answer back to the front end that asked (by
+                 its outbox thread, in bursts: one message per front end for all the answers finished since
+                 its last send, written off the batcher's thread), their repository calls run on a few
+                 threads, the served models and state told to every front end
   FrontEnds      the front-end processes: started with this server's settings, the ports reserved for them,
                  and a pipe whose end tells them the engine is gone; one that dies is started again (its own
                  calls in flight fail UNAVAILABLE at its clients: their connection broke)
@@ -29,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import collections
 import threading
 import time
 from concurrent import futures
@@ -69,9 +72,14 @@ class EngineService:
                                                 initializer=logs.name_thread, initargs=("engine-call",))
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-service", daemon=True)
+        # (front end, call id, ticket) of each answer not yet sent; the outbox thread takes them all at once
+        self._finished: collections.deque = collections.deque()
+        self._outbox_wake = threading.Condition()
+        self._outbox = threading.Thread(target=self._send_finished, name="engine-outbox", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._outbox.start()
 
     def send(self, front_end: int, header: dict) -> None:
         self._send(front_end, [orjson.dumps(header)])
@@ -89,6 +97,9 @@ class EngineService:
     def stop(self) -> None:
         self._stopping = True
         self._thread.join(timeout=5)
+        with self._outbox_wake:
+            self._outbox_wake.notify()
+        self._outbox.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for sender in self._to:
             sender.close()
@@ -98,10 +109,10 @@ class EngineService:
     def _loop(self) -> None:
         ipc.receive_loop(self._inbox, lambda: self._stopping, self._handle, log, "engine-service")
 
-    def _handle(self, header: dict, frames: list) -> None:
+    def _handle(self, header: dict, body) -> None:
         kind = header.get("k")
         if kind == "work":
-            self._work(header["fe"], header, frames)
+            self._work(header["fe"], header, body)
         elif kind == "cancel":
             ticket = self._tickets.get((header["fe"], header["id"]))
             if ticket is not None:
@@ -111,11 +122,11 @@ class EngineService:
         elif kind in self._events:
             self._events[kind](header)
 
-    def _work(self, front_end: int, header: dict, frames: list) -> None:
+    def _work(self, front_end: int, header: dict, body) -> None:
         call_id, key, held = header["id"], (front_end, header["id"]), Held()
         try:
             engine = self._admission.admit(held, model=header["model"])
-            work, rows = ipc.read_work(header, frames)
+            work, rows = ipc.read_work(header, body)
             ticket = engine.batcher.submit(work, rows, header["deadline"])
         except Exception as error:
             held.end()
@@ -123,16 +134,36 @@ class EngineService:
             return
         self._tickets[key] = ticket
 
-        def done(ticket) -> None:
+        def done(ticket) -> None:  # on the thread that finished it (a batcher's): only hand it to the outbox
             self._tickets.pop(key, None)
             held.end()
-            try:
-                frames = ipc.result_frames(call_id, ticket.outcome())
-            except Exception as error:
-                frames = ipc.error_frames(call_id, error)
-            self._send(front_end, frames)
+            with self._outbox_wake:
+                self._finished.append((front_end, call_id, ticket))
+                self._outbox_wake.notify()
 
         ticket.add_done_callback(done)
+
+    def _send_finished(self) -> None:
+        """The outbox: every answer finished since the last pass, one message per front end. While it writes
+        one burst the next gathers, so under load a run's answers leave together; a lone answer leaves alone,
+        at once. It sends what is left when stopping."""
+        logs.name_thread("engine-outbox")
+        while True:
+            with self._outbox_wake:
+                while not self._finished and not self._stopping:
+                    self._outbox_wake.wait()
+                if not self._finished:
+                    return
+                finished, self._finished = self._finished, collections.deque()
+            by_front_end: dict[int, list] = {}
+            for front_end, call_id, ticket in finished:
+                try:
+                    outcome = ticket.outcome()
+                except BaseException as error:  # its error is its answer
+                    outcome = error
+                by_front_end.setdefault(front_end, []).append((call_id, outcome))
+            for front_end, outcomes in by_front_end.items():
+                self._send(front_end, ipc.results_frames(outcomes))
 
     def _call(self, header: dict) -> None:
         reply = {"k": "reply", "id": header["id"]}

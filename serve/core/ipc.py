@@ -5,17 +5,21 @@ Sockets: pyzmq over Unix domain sockets in one private folder. The engine binds 
 every front end pushes into); front end i binds `front-end-i.sock` (a PULL socket the engine pushes to). A
 socket is used by one thread at a time (a lock around each PUSH: any thread of a process may send).
 
-Messages: a list of frames, an orjson header first, then the raw bytes of the arrays it lists ("a": [[dtype,
-shape], ...], in order): a request's rows leave as the bytes of its padded block and lengths (its custom mask,
-token types and path indices where it has them), a result as the bytes of its hidden states, embeddings and
-head scores. numpy views the received frames in place (np.frombuffer).
+Messages: at most two frames, an orjson header and one body holding the raw bytes of every array the header
+lists ("a": [[dtype, shape, offset], ...], each array 8-byte aligned in the body): a request's rows leave as the
+bytes of its padded block and lengths (its custom mask, token types and path indices where it has them), a result
+as the bytes of its hidden states, embeddings and head scores. numpy views the received body in place
+(np.frombuffer). One body, not a frame per array: each frame is a send and a receive of its own in pyzmq, and
+for the small arrays of an embedding those calls, not the bytes, were the cost (docs/serving.md "Front ends").
+The engine answers in bursts: the results its runs finish while its outbox thread sends go to each front end as
+ONE message ("items"), so a run of 32 rows is one send per front end, not 32 (serve/assembly/front_ends.py).
 
   front end -> engine   {"k": "work", "fe", "id", "model", "deadline", "out": [hidden, pooling, normalize, scores,
                          chunked], "rows": {...}}            rows already checked by the front end (to_rows)
                         {"k": "cancel", "id"}                the caller left: a queued request is dropped
                         {"k": "call", "id", "op", "args"}    a repository or lifecycle call (load, unload, ...)
                         {"k": "hello" | "listening", ...}    a front end started / listens
-  engine -> front end   {"k": "done", "id", ...result}       or {"k": "done", "id", "error": [class, message]}
+  engine -> front end   {"k": "done", "items": [{"id", ...result} or {"id", "error": [class, message]}, ...]}
                         {"k": "reply", "id", "value" | "error"}
                         {"k": "models", ...}, {"k": "state", ...}  the served models and the server's state
 """
@@ -48,18 +52,33 @@ def address(folder: str | Path, name: str) -> str:
 
 # -- arrays ------------------------------------------------------------------------------------------
 
-def _pack(arrays: list[np.ndarray]) -> tuple[list, list]:
-    """(their [dtype, shape] list, their bytes): C-contiguous buffers, sent without a copy where they are."""
-    specs, frames = [], []
+ALIGN = 8  # every array starts at a multiple of this in the body (numpy reads unaligned arrays slowly)
+
+
+def _pack(arrays: list[np.ndarray], pieces: list | None = None, at: int = 0) -> tuple[list, list, int]:
+    """(their [dtype, shape, offset] list, the buffers to join into the body after `pieces`, the body's size):
+    `at` is where the body already ends (several results share one body)."""
+    specs, pieces = [], [] if pieces is None else pieces
     for array in arrays:
         array = np.ascontiguousarray(array)
-        specs.append([array.dtype.str, list(array.shape)])
-        frames.append(array)
-    return specs, frames
+        if at % ALIGN:
+            pad = ALIGN - at % ALIGN
+            pieces.append(bytes(pad))
+            at += pad
+        specs.append([array.dtype.str, list(array.shape), at])
+        if array.nbytes:
+            pieces.append(memoryview(array).cast("B"))
+            at += array.nbytes
+    return specs, pieces, at
 
 
-def _unpack(specs: list, frames: list) -> list[np.ndarray]:
-    return [np.frombuffer(frame, np.dtype(dtype)).reshape(shape) for (dtype, shape), frame in zip(specs, frames)]
+def _frames(header: dict, pieces: list) -> list:
+    return [orjson.dumps(header), b"".join(pieces)] if pieces else [orjson.dumps(header)]
+
+
+def _unpack(specs: list, body) -> list[np.ndarray]:
+    return [np.frombuffer(body, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+            for dtype, shape, offset in specs]
 
 
 # -- work: front end -> engine -------------------------------------------------------------------------
@@ -76,19 +95,19 @@ def work_frames(front_end: int, call_id: int, model: str, work: Work, rows: Rows
     for path, index in rows.paths:
         paths.append([path, len(arrays)])
         arrays.append(index)
-    specs, frames = _pack(arrays)
+    specs, pieces, _ = _pack(arrays)
     header = {"k": "work", "fe": front_end, "id": call_id, "model": model, "deadline": deadline,
               "out": [work.hidden_states, work.pooling, work.normalize, work.scores, bool(work.chunks)],
               "rows": {"mask": [rows.kind, rows.causal, rows.window, rows.step], "optional": optional, "paths": paths,
                        "attention_bytes": rows.attention_bytes, "row_elements": rows.row_elements,
                        "longest": rows.longest, "tokens": rows.tokens},
               "a": specs}
-    return [orjson.dumps(header), *frames]
+    return _frames(header, pieces)
 
 
-def read_work(header: dict, frames: list) -> tuple[Work, Rows]:
+def read_work(header: dict, body) -> tuple[Work, Rows]:
     """The engine's Work and Rows of a front end's request (checked there: to_rows)."""
-    arrays = _unpack(header["a"], frames)
+    arrays = _unpack(header["a"], body)
     r = header["rows"]
     kind, causal, window, step = r["mask"]
     optional = {name: arrays[at] for name, at in r["optional"].items()}
@@ -107,42 +126,60 @@ def read_work(header: dict, frames: list) -> tuple[Work, Rows]:
 OUTPUTS = ("hidden_states", "embeddings", "scores")
 
 
-def result_frames(call_id: int, result: EncodeResult) -> list:
+def result_item(call_id: int, result: EncodeResult, pieces: list, at: int) -> tuple[dict, int]:
+    """One result of a burst (`results_frames`): its item, its arrays appended to `pieces` from body offset `at`;
+    returns the item and where the body ends now."""
     arrays, present = [], []
     for name in OUTPUTS:
         value = getattr(result, name)
         if value is not None:
             present.append(name)
             arrays.append(value)
-    specs, frames = _pack(arrays)
-    header = {"k": "done", "id": call_id, "outputs": present, "a": specs, "queue_s": result.queue_s,
-              "inference_s": result.inference_s, "batch_size": result.batch_size, "batch_length": result.batch_length,
-              "provider": result.execution_provider, "paths": list(result.attention_paths)}
-    return [orjson.dumps(header), *frames]
+    specs, _, at = _pack(arrays, pieces, at)
+    return {"id": call_id, "outputs": present, "a": specs, "queue_s": result.queue_s,
+            "inference_s": result.inference_s, "batch_size": result.batch_size, "batch_length": result.batch_length,
+            "provider": result.execution_provider, "paths": list(result.attention_paths)}, at
 
 
-def error_header(call_id: int, error: BaseException, kind: str = "done") -> dict:
-    """An error as the wire carries it: its ServeError class and message (anything else: BackendError)."""
+def error_header(call_id: int, error: BaseException, kind: str | None = "done") -> dict:
+    """An error as the wire carries it: its ServeError class and message (anything else: BackendError);
+    `kind` None: an item of a burst."""
     name = type(error).__name__ if isinstance(error, ServeError) else "BackendError"
     message = error.message if isinstance(error, ServeError) else f"{type(error).__name__}: {error}"
-    return {"k": kind, "id": call_id, "error": [name, message]}
+    return {"id": call_id, "error": [name, message], **({"k": kind} if kind else {})}
+
+
+def results_frames(outcomes: list[tuple[int, EncodeResult | BaseException]]) -> list:
+    """One message answering several calls of one front end: (call id, its result or error) each."""
+    items, pieces, at = [], [], 0
+    for call_id, outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            items.append(error_header(call_id, outcome, None))
+            continue
+        try:
+            item, at = result_item(call_id, outcome, pieces, at)
+        except Exception as error:  # a result the wire cannot carry fails its own call only
+            item = error_header(call_id, error, None)
+        items.append(item)
+    return _frames({"k": "done", "items": items}, pieces)
 
 
 def error_frames(call_id: int, error: BaseException) -> list:
-    return [orjson.dumps(error_header(call_id, error))]
+    return results_frames([(call_id, error)])
 
 
-def read_result(header: dict, frames: list, work: Work, rows: Rows) -> EncodeResult | ServeError:
-    """A front end's EncodeResult of the engine's answer (its request's own facts from `work` and `rows`)."""
-    if "error" in header:
-        return by_name(*header["error"])
-    outputs = dict(zip(header["outputs"], _unpack(header["a"], frames)))
+def read_result(item: dict, body, work: Work, rows: Rows) -> EncodeResult | ServeError:
+    """A front end's EncodeResult of one item of the engine's answer (its request's own facts from `work` and
+    `rows`)."""
+    if "error" in item:
+        return by_name(*item["error"])
+    outputs = dict(zip(item["outputs"], _unpack(item["a"], body)))
     return EncodeResult(
         request_id=work.request_id, hidden_states=outputs.get("hidden_states"), embeddings=outputs.get("embeddings"),
-        queue_s=header["queue_s"], inference_s=header["inference_s"], batch_size=header["batch_size"],
-        batch_length=header["batch_length"], execution_provider=header["provider"],
+        queue_s=item["queue_s"], inference_s=item["inference_s"], batch_size=item["batch_size"],
+        batch_length=item["batch_length"], execution_provider=item["provider"],
         token_counts=tuple(rows.lengths.tolist()), truncated=work.truncated,
-        attention_paths=tuple(header["paths"]), scores=outputs.get("scores"))
+        attention_paths=tuple(item["paths"]), scores=outputs.get("scores"))
 
 
 # -- sockets -------------------------------------------------------------------------------------------
@@ -161,7 +198,7 @@ class Sender:
 
     def send(self, frames: list) -> None:
         with self._lock:
-            self._socket.send_multipart(frames, copy=len(frames) == 1)
+            self._socket.send_multipart(frames, copy=False)  # a body under copy_threshold is copied anyway
 
     def send_json(self, header: dict) -> None:
         self.send([orjson.dumps(header)])
@@ -184,16 +221,16 @@ def receiver(context, bind: str):
     return socket
 
 
-def receive(socket, timeout_s: float) -> tuple[dict, list] | None:
-    """The next message as (header, array frames), or None after `timeout_s` with none."""
+def receive(socket, timeout_s: float) -> tuple[dict, object] | None:
+    """The next message as (header, its body or None), or None after `timeout_s` with none."""
     if not socket.poll(int(timeout_s * 1000)):
         return None
     frames = socket.recv_multipart(copy=False)
-    return orjson.loads(frames[0].bytes), [frame.buffer for frame in frames[1:]]
+    return orjson.loads(frames[0].bytes), frames[1].buffer if len(frames) > 1 else None
 
 
 def receive_loop(socket, stopping, handle, log, thread: str) -> None:
-    """Hands each message of `socket` to `handle(header, frames)` until `stopping()`; a message that fails is
+    """Hands each message of `socket` to `handle(header, body)` until `stopping()`; a message that fails is
     logged and the loop goes on (one process's wire must survive anything one message does)."""
     from serve import logs
 

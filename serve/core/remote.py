@@ -123,12 +123,17 @@ class EngineLink:
     def _receive(self) -> None:
         ipc.receive_loop(self._in, lambda: self._stopping, self._handle, log, "engine-link")
 
-    def _handle(self, header: dict, frames: list) -> None:
+    def _handle(self, header: dict, body) -> None:
         kind = header.get("k")
-        if kind == "done":
-            ticket = self._pending.pop(header["id"], None)
-            if ticket is not None:  # else: an answer to an earlier incarnation, or cancelled and dropped
-                outcome = ipc.read_result(header, frames, ticket.request, ticket.rows)
+        if kind == "done":  # a burst: every answer the engine finished for this front end since its last
+            for item in header["items"]:
+                ticket = self._pending.pop(item["id"], None)
+                if ticket is None:  # an answer to an earlier incarnation, or cancelled and dropped
+                    continue
+                try:
+                    outcome = ipc.read_result(item, body, ticket.request, ticket.rows)
+                except Exception as error:  # one unreadable answer fails its own call, not the burst's others
+                    outcome = ServeError(f"the engine's answer could not be read: {type(error).__name__}: {error}")
                 if isinstance(outcome, ServeError):
                     ticket._finish(error=outcome)
                 else:

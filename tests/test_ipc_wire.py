@@ -1,0 +1,83 @@
+"""The wire between front ends and the engine (serve/core/ipc.py): a request's rows and a burst of answers each
+cross as one header and one body, and read back as the arrays that were sent, each call's its own. The servers
+that use it end to end are in tests/test_front_ends.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+
+from model.mask_kinds import MaskKind
+from serve.backend.feeds import Rows
+from serve.core import ipc
+from serve.core.requests import EncodeResult, Work
+from serve.errors import Overloaded, ServeError
+
+
+def _result(rng, rows: int, width: int, *, hidden: bool, scores: bool) -> EncodeResult:
+    return EncodeResult(
+        request_id="", embeddings=rng.standard_normal((rows, width)).astype(np.float32),
+        hidden_states=rng.standard_normal((rows, 3, width)).astype(np.float16) if hidden else None,
+        scores=rng.standard_normal((rows, 5)).astype(np.float32) if scores else None,
+        queue_s=0.001, inference_s=0.002, batch_size=rows, batch_length=3, execution_provider="CPUExecutionProvider",
+        attention_paths=("dense",) * rows)
+
+
+def _asked(rows: int) -> tuple[Work, Rows]:
+    block = np.ones((rows, 3), np.int64)
+    return Work(block), Rows(block, np.full(rows, 3, np.int64))
+
+
+def test_a_burst_of_answers_reads_back_each_calls_own_arrays_and_errors():
+    rng = np.random.default_rng(0)
+    sent = {11: _result(rng, 1, 7, hidden=True, scores=False), 12: Overloaded("queue full (max_queue_size=1)"),
+            13: _result(rng, 3, 5, hidden=False, scores=True), 14: _result(rng, 2, 7, hidden=True, scores=True)}
+    frames = ipc.results_frames(list(sent.items()))
+    assert len(frames) == 2  # one header, one body, however many answers
+    header = orjson.loads(frames[0])
+    assert [item["id"] for item in header["items"]] == list(sent)
+    for item in header["items"]:
+        expected = sent[item["id"]]
+        got = ipc.read_result(item, frames[1], *_asked(2))
+        if isinstance(expected, ServeError):
+            assert type(got) is Overloaded and got.message == expected.message
+            continue
+        for name in ("embeddings", "hidden_states", "scores"):
+            want, have = getattr(expected, name), getattr(got, name)
+            assert (want is None) == (have is None), name
+            if want is not None:
+                assert have.dtype == want.dtype and have.flags.aligned
+                np.testing.assert_array_equal(have, want)
+
+
+def test_an_answer_alone_is_a_burst_of_one():
+    result = _result(np.random.default_rng(1), 1, 4, hidden=False, scores=False)
+    frames = ipc.results_frames([(7, result)])
+    (item,) = orjson.loads(frames[0])["items"]
+    np.testing.assert_array_equal(ipc.read_result(item, frames[1], *_asked(1)).embeddings, result.embeddings)
+
+
+def test_an_error_alone_travels_without_a_body():
+    frames = ipc.error_frames(3, ValueError("boom"))
+    assert len(frames) == 1
+    (item,) = orjson.loads(frames[0])["items"]
+    error = ipc.read_result(item, None, *_asked(1))
+    assert isinstance(error, ServeError) and "ValueError: boom" in error.message
+
+
+def test_a_requests_rows_with_a_custom_mask_and_token_types_read_back_equal():
+    rng = np.random.default_rng(2)
+    lengths = np.array([3, 5], np.int64)
+    block = rng.integers(1, 100, (2, 5)).astype(np.int64)
+    custom = rng.random((2, 5, 5)) < 0.5  # bool: the bytes before the int64 token types are not a multiple of 8
+    types = rng.integers(0, 2, (2, 5)).astype(np.int64)
+    rows = Rows(block, lengths, int(MaskKind.CUSTOM), custom=custom, types=types,
+                paths=(("dense", np.array([0, 1])),))
+    frames = ipc.work_frames(0, 9, "m", Work(block, hidden_states=True, pooling="mean"), rows, None)
+    work, got = ipc.read_work(orjson.loads(frames[0]), frames[1])
+    for name in ("block", "lengths", "custom", "types"):
+        have = getattr(got, name)
+        assert have.flags.aligned, name
+        np.testing.assert_array_equal(have, getattr(rows, name))
+    assert got.kind == int(MaskKind.CUSTOM) and work.hidden_states and work.pooling == "mean"
+    np.testing.assert_array_equal(got.paths[0][1], [0, 1])
