@@ -163,7 +163,12 @@ class EngineService:
                     outcome = error
                 by_front_end.setdefault(front_end, []).append((call_id, outcome))
             for front_end, outcomes in by_front_end.items():
-                self._send(front_end, ipc.results_frames(outcomes))
+                try:
+                    frames = ipc.results_frames(outcomes)
+                except Exception as error:  # never leave a caller waiting: each gets the error
+                    logs.event(log, "answers_unsendable", logging.ERROR, error=repr(error), calls=len(outcomes))
+                    frames = ipc.results_frames([(call_id, error) for call_id, _ in outcomes])
+                self._send(front_end, frames)
 
     def _call(self, header: dict) -> None:
         reply = {"k": "reply", "id": header["id"]}
