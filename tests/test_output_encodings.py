@@ -160,6 +160,36 @@ def test_truncate_none_refuses_a_long_text_and_end_cuts_it(http):
     assert http.post("/v2/embed", json={**body, "truncate": "END"}).status_code == 200
 
 
+def _first_or_last_tokens(checkpoints, text: str, tokens: int, end: str) -> str:
+    """`text` cut to its first (END) or last (START) `tokens` tokens by transformers' own tokenizer of the
+    checkpoint (its offsets; special tokens not counted): Cohere's max_tokens, computed apart from the server."""
+    from transformers import AutoTokenizer
+
+    offsets = AutoTokenizer.from_pretrained(str(checkpoints["embedder"]))(
+        text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert len(offsets) > tokens
+    return text[: offsets[tokens - 1][1]] if end == "END" else text[offsets[len(offsets) - tokens][0]:]
+
+
+@pytest.mark.parametrize("end", ["END", "START"])
+def test_cohere_max_tokens_embeds_each_texts_first_or_last_tokens(cohere_v2, checkpoints, reference, end):
+    texts = ["The plot made no sense at all, and the ending was worse than the middle.", "Paris is in France."]
+    got = cohere_v2.embed(model="embedder", texts=texts, input_type="search_query", embedding_types=["float"],
+                          max_tokens=6, truncate=end)
+    cut = [_first_or_last_tokens(checkpoints, texts[0], 6, end), texts[1]]  # the second is shorter: kept whole
+    np.testing.assert_allclose(got.embeddings.float_, reference(cut, prompt_name="query"), atol=ATOL)
+    whole = reference(texts[:1], prompt_name="query")[0]
+    assert not np.allclose(got.embeddings.float_[0], whole, atol=ATOL)  # control: the cut changed the embedding
+
+
+def test_cohere_max_tokens_with_truncate_none_refuses_a_longer_text_naming_it(http):
+    answer = http.post("/v2/embed", json={"model": "embedder", "texts": ["short", "one two three four five six"],
+                                          "input_type": "search_query", "max_tokens": 3, "truncate": "NONE"})
+    assert answer.status_code == 400
+    message = answer.json()["message"]
+    assert message.startswith("texts[1]: 6 tokens exceed max_tokens=3"), message
+
+
 def test_openai_client_base64_still_equals_float(server):
     import openai
 
@@ -241,7 +271,8 @@ def test_kserve_v2_rest_embeddings_in_uint8_and_binary(http):
     ({"embedding_types": "float"}, "embedding_types:", "base64"),
     ({"input_type": "image"}, "input_type:", "search_document"),
     ({"truncate": "MIDDLE"}, "truncate:", "START"),
-    ({"max_tokens": 8}, "max_tokens:", "truncate"),
+    ({"max_tokens": 0}, "max_tokens:", "a positive integer"),
+    ({"max_tokens": "8"}, "max_tokens:", "a positive integer"),
     ({"output_dimension": 5000}, "output_dimension:", "out of range [1, "),
 ])
 def test_bad_cohere_embed_bodies_are_refused_naming_the_field(http, body, field, fits):

@@ -184,6 +184,23 @@ def test_cohere_v2_client_reranks_against_v2_rerank(server):
                                                                    reverse=True)
 
 
+def test_cohere_v2_max_tokens_per_doc_scores_each_documents_first_tokens(server, checkpoints, cross_encoder):
+    import cohere
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoints["reranker"]))
+    cut = []  # each document's first 4 tokens by transformers' offsets (special tokens not counted)
+    for document in DOCUMENTS:
+        offsets = tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        cut.append(document[: offsets[min(4, len(offsets)) - 1][1]])
+    assert cut != list(DOCUMENTS)  # control: some document is longer than 4 tokens
+    client = cohere.ClientV2(api_key="unused", base_url=f"http://127.0.0.1:{server.http_port}")
+    response = client.rerank(model="reranker", query=QUERY, documents=DOCUMENTS, max_tokens_per_doc=4)
+    want = _reference_scores(cross_encoder, "reranker", [(QUERY, d) for d in cut])
+    np.testing.assert_allclose([r.relevance_score for r in response.results],
+                               [want[r.index] for r in response.results], atol=SCORE_ATOL)
+
+
 def test_jina_shaped_rerank_returns_documents_as_objects(http):
     body = http.post("/v1/rerank", json={"model": "reranker", "query": QUERY,
                                          "documents": [{"text": d} for d in DOCUMENTS], "return_documents": True}).json()

@@ -215,12 +215,26 @@ class TextTokenizer:
             self._parts[part] = ids
         return ids
 
-    def head(self, text: str, tokens: int) -> str:
-        """`text` cut after its first `tokens` tokens (special tokens not counted): Cohere's max_tokens_per_doc."""
-        encoding = self._full.encode(text, add_special_tokens=False)
-        if len(encoding.ids) <= tokens:
-            return text
-        return text[: encoding.offsets[tokens - 1][1]]
+    def keep(self, texts: Sequence[str], tokens: int, *, cut: bool, direction: str = "right",
+             field: str = "texts", limit: str = "max_tokens") -> tuple[tuple[str, ...], tuple[bool, ...]]:
+        """Each text at most `tokens` tokens long (special tokens not counted): a longer one cut at a token's edge
+        (losing its `direction` end) when `cut`, else refused naming `field`[i] and `limit` (Cohere's embed
+        max_tokens, its rerank max_tokens_per_doc). Returns the texts and which were cut."""
+        kept, was_cut = [], []
+        for i, (text, encoding) in enumerate(zip(texts, self._full.encode_batch(list(texts),
+                                                                                  add_special_tokens=False))):
+            count = len(encoding.ids)
+            if count <= tokens:
+                kept.append(text)
+                was_cut.append(False)
+                continue
+            if not cut:
+                raise ValidationError(f"{field}[{i}]: {count} tokens exceed {limit}={tokens} (special tokens not "
+                                      f"counted); shorten it or let it be cut")
+            kept.append(text[: encoding.offsets[tokens - 1][1]] if direction == "right"
+                        else text[encoding.offsets[count - tokens][0]:])
+            was_cut.append(True)
+        return tuple(kept), tuple(was_cut)
 
     def tokens(self, texts: Sequence[str], *, add_special_tokens: bool = True, prompt: str = "") -> list[list[dict]]:
         """Each text's tokens as text-embeddings-inference's /tokenize shows them: id, text (a special

@@ -4,7 +4,7 @@ Cohere's), in the shapes their clients send and read:
   POST /v2/embed, /v1/embed
         {model, texts: [str], input_type (search_document | search_query | classification | clustering),
          embedding_types ([float | int8 | uint8 | binary | ubinary | base64], default [float]),
-         truncate (NONE | START | END, default END), output_dimension}
+         truncate (NONE | START | END, default END), max_tokens, output_dimension}
         -> {id, embeddings: {<type>: [one per text]}, texts, meta: {api_version: {version},
             billed_units: {input_tokens}}, response_type: "embeddings_by_type"}
         (v1 without embedding_types: embeddings: [[float]], response_type: "embeddings_floats")
@@ -12,7 +12,9 @@ Cohere's), in the shapes their clients send and read:
 `input_type` picks the model's prompt of that purpose (its sentence-transformers prompts: `INPUT_TYPES`, by
 name, any case), else the model's default prompt. The encodings are serve/core/encodings.py's (int8 and
 uint8 on the fixed range [-1, 1]: the model's embeddings must be normalised); base64 is the float32
-little-endian bytes. `images`, `inputs` (mixed content) and `max_tokens` are not served: refused naming them.
+little-endian bytes. `max_tokens` keeps each text to that many tokens (the prompt and special tokens not counted),
+cutting from `truncate`'s end, or with NONE refusing a longer text. `images` and `inputs` (mixed content) are not
+served: refused naming them.
 The rules are the embed verb's (serve/core/tasks/embed.py).
 
   POST /v1/rerank, /v2/rerank
@@ -37,7 +39,7 @@ import orjson
 from serve.core import encodings
 from serve.core.tasks import embed, rerank
 from serve.core.tasks.inputs import Inputs, TextOptions, direction
-from serve.errors import Unsupported, ValidationError, quote
+from serve.errors import ValidationError, quote
 from serve.protocols import fields
 from serve.protocols.edge import Api, start_task
 from serve.protocols.routing import Family, HttpCall, Route
@@ -68,8 +70,6 @@ def embed_task(body: dict, engine) -> tuple[embed.EmbedTask, tuple[str, ...], bo
     for name in ("images", "inputs"):
         if body.get(name) is not None:
             raise ValidationError(f"{name}: this server embeds texts; send them in `texts`")
-    if body.get("max_tokens") is not None:
-        raise Unsupported("max_tokens: not served; texts are cut at the model's max_text_tokens (truncate)")
     texts = body.get("texts")
     if texts is None or isinstance(texts, str):
         raise ValidationError(f"texts: expected a list of strings, got {'none' if texts is None else quote(texts)}")
@@ -83,8 +83,9 @@ def embed_task(body: dict, engine) -> tuple[embed.EmbedTask, tuple[str, ...], bo
     types = encodings.names(body["embedding_types"], "embedding_types", listed=True) if by_type else ("float",)
     options = TRUNCATE[truncate.upper()]
     task = embed.EmbedTask(
-        Inputs(fields.texts(texts, "texts"), text=TextOptions(options.truncate, options.direction,
-                                                              prompt_name(engine, input_type))),
+        Inputs(fields.texts(texts, "texts"), text=TextOptions(
+            options.truncate, options.direction, prompt_name(engine, input_type),
+            max_tokens=fields.integer(body, "max_tokens", None, "a positive integer"))),
         dimensions=fields.integer(body, "output_dimension", None, "a positive integer"),
         encodings=types, encoding_field="embedding_types", dimensions_field="output_dimension")
     return task, types, by_type

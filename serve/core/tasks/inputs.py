@@ -1,5 +1,5 @@
 """What the verbs share: what a call sends to be encoded (`Inputs`: texts or token ids), how texts become
-token rows (`TextOptions`: truncation, its direction, the prompt), and the rows themselves (`text_rows`,
+token rows (`TextOptions`: truncation, its direction, the prompt, a per-call token limit), and the rows themselves (`text_rows`,
 `pair_rows`), each checked once against the model's tokenizer and the server's limits.
 
 The count of texts (sequences, pairs, documents) is `Limits.check_count`'s (serve/core/requests.py), called
@@ -23,11 +23,16 @@ class TextOptions:
     truncate: bool = False  # cut a text over the tokenizer's max_length instead of refusing it
     direction: str = "right"  # the end a cut text loses (DIRECTIONS)
     prompt_name: str | None = None  # the export's prompt put before each text; None: its default; "": none
+    # the most tokens a text keeps, special tokens and the prompt not counted (Cohere's embed max_tokens): a longer
+    # one is cut (from `direction`) when `truncate`, else refused; None: only the tokenizer's max_length applies
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
             raise ValidationError(f"truncation_direction: {quote(self.direction)} is not one of "
                                   f"{', '.join(DIRECTIONS)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValidationError(f"max_tokens: expected a positive integer, got {self.max_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +101,13 @@ def text_rows(engine, inputs: Inputs, *, chunk: bool = False, one_mean: bool = T
     if chunk and not one_mean:
         raise ValidationError("texts: chunk=true pools each text's windows into one mean embedding; "
                               "ask for pooling mean and no hidden_states")
-    sequences, truncated, chunks = text.encode(inputs.texts, truncate=options.truncate, chunk=chunk,
+    texts, kept = inputs.texts, ()
+    if options.max_tokens is not None:
+        texts, kept = text.keep(texts, options.max_tokens, cut=options.truncate, direction=options.direction)
+    sequences, truncated, chunks = text.encode(texts, truncate=options.truncate, chunk=chunk,
                                                direction=options.direction, prompt=prompt(engine, options.prompt_name))
+    if any(kept):
+        truncated = tuple(a or b for a, b in zip(truncated, kept))
     if len(sequences) > engine.server.max_batch_size:
         raise ValidationError(
             f"texts: {len(inputs.texts)} texts make {len(sequences)} windows, over "

@@ -59,7 +59,8 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
         if task.max_tokens_per_doc < 1:
             raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
         text = tokenizer(engine, field)
-        documents = tuple(text.head(d, task.max_tokens_per_doc) for d in documents)
+        documents, _ = text.keep(documents, task.max_tokens_per_doc, cut=True, field=field,
+                                 limit="max_tokens_per_doc")
     if task.instruction is not None and template_of(engine) is None:
         raise ValidationError(f"instruction: model {quote(engine.name)} is a cross-encoder without a prompt template; "
                               "instruction fits an LLM reranker (an export with a reranker template); leave it out")
