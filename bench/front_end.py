@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for count in (counts if number % 2 == 0 else counts[::-1]):
             http = any(p in ("v2-rest", "openai-texts") for p in protocols)
             flags = ["--metrics-port", "0", "--metrics-host", "127.0.0.1", *(["--http-port", "0"] if http else []),
-                     *(["--front-ends", str(count)] if count else []), *args.flags.split()]
+                     "--front-ends", str(count), *args.flags.split()]
             with running_server(args.export_dir, flags, **source) as server:
                 for protocol in (protocols if number % 2 == 0 else protocols[::-1]):
                     r = results[f"{protocol}@{count}"] = load(

@@ -180,7 +180,7 @@ def server_load(export: Path, device: str, front_ends: int, protocol: str, clien
                 seconds: float, serve_flags: tuple[str, ...] = ()) -> dict:
     flags = ["--device", device, "--graph", "fp16" if device == "cuda" else "optimized", "--metrics-port", "0",
              "--metrics-host", "127.0.0.1", "--http-port", "0", "--max-queue-size", str(4 * clients),
-             *(["--front-ends", str(front_ends)] if front_ends else []), *serve_flags]
+             "--front-ends", str(front_ends), *serve_flags]
     with running_server(export, flags) as server:
         queue = multiprocessing.get_context("spawn").Queue()
         per = [clients // PROCESSES + (1 if i < clients % PROCESSES else 0) for i in range(PROCESSES)]

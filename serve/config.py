@@ -73,8 +73,9 @@ class ServerConfig:
     cuda_tf32: bool = False
     # Front-end processes (serve/assembly/front_ends.py, docs/serving.md "Front ends"): 0: one process does
     # everything; N >= 1: N processes run the request path (transports, protocols, tokenization, checks,
-    # answers) on the server's ports, beside one engine process that holds the models and runs them.
-    front_ends: int = 0
+    # answers) on the server's ports, beside one engine process that holds the models and runs them;
+    # -1 (the default): by device, `front_end_count`
+    front_ends: int = -1
     # a front end's own settings, set by the engine that starts it (not for users): its role, index and the
     # folder of the wire's sockets
     role: str = ""
@@ -145,8 +146,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
-        if self.front_ends < 0:
-            raise ValueError(f"front_ends must be >= 0 (0: one process), got {self.front_ends}")
+        if self.front_ends < -1:
+            raise ValueError(f"front_ends must be >= 0 (0: one process), or -1 (by device), got {self.front_ends}")
         if self.intra_op_spin not in SPIN_POLICIES:
             raise ValueError(f"intra_op_spin={self.intra_op_spin!r} is not one of {', '.join(SPIN_POLICIES)}")
         if self.role not in ROLES:
@@ -189,6 +190,21 @@ class ServerConfig:
             raise ValueError("prepare_only exports the models of model / models_file: name at least one")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0, got {self.max_request_tokens}")
+
+
+def front_end_count(config: ServerConfig, cpus: int | None = None) -> int:
+    """The front-end processes to run: ServerConfig.front_ends as set, or for -1 (the default) by device. With
+    --device cpu or auto, none: a CPU host needs its cores for ONNX Runtime (one front end cost 19-26 % of the
+    tiny model's throughput on 2 CPUs), and auto may fall back to the CPU. With --device cuda, min(8, CPUs // 2)
+    and at least 1: there the model needs few cores and one interpreter is the limit (a 16-core H200 host:
+    one process 57-80k tokens/s, 8 front ends 287-306k; docs/performance.md "The request path on a GPU host").
+    `cpus`: the CPUs this process may run on (default: sched_getaffinity)."""
+    if config.front_ends >= 0:
+        return config.front_ends
+    if config.device != "cuda":
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return max(1, min(8, cpus // 2))
 
 
 def config_environment(config: ServerConfig, **changes) -> dict[str, str]:

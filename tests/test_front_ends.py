@@ -80,6 +80,13 @@ def pair(serve_start, serve_export_dir):
     return serve_start(serve_export_dir), serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
 
 
+def test_a_server_on_the_cpu_runs_in_one_process_by_default(pair):
+    import psutil
+
+    one, _ = pair  # started without --front-ends: the default by device (serve/config.py front_end_count)
+    assert one.front_ends == () and psutil.Process(one.proc.pid).children() == []
+
+
 def test_the_front_ends_are_their_own_processes_beside_the_engine(pair):
     _, front = pair
     assert len(front.front_ends) == int(FRONT_ENDS) and front.proc.pid not in front.front_ends

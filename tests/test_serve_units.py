@@ -123,6 +123,22 @@ def test_length_split_is_on_by_default_and_its_run_cost_is_measured_unless_pinne
         ServerConfig(split_overhead_tokens=-3)
 
 
+def test_front_ends_by_default_follow_the_device():
+    """No GPU here: the rule is read for --device cuda with the CPU count given (the server on CUDA is
+    tests/test_cuda.py's)."""
+    from serve.config import front_end_count
+
+    assert ServerConfig().front_ends == -1
+    assert front_end_count(ServerConfig()) == 0  # --device cpu: ONNX Runtime needs the cores
+    assert front_end_count(ServerConfig(device="auto"), cpus=64) == 0  # auto may end on the CPU
+    cuda = ServerConfig(device="cuda")
+    assert [front_end_count(cuda, cpus=n) for n in (1, 2, 6, 16, 64)] == [1, 1, 3, 8, 8]
+    assert front_end_count(ServerConfig(device="cuda", front_ends=0), cpus=16) == 0  # as set, 0 included
+    assert front_end_count(ServerConfig(front_ends=3)) == 3
+    with pytest.raises(ValueError, match="front_ends must be >= 0 .* or -1"):
+        ServerConfig(front_ends=-2)
+
+
 def test_config_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="ENCODER_PORT"):
         load_config([], {"ENCODER_PORT": "http"})

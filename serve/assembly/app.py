@@ -12,6 +12,7 @@ stops, so it must hold none. Exit 0 when everything admitted was answered in tim
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from serve import logs
 from serve.assembly.loading import BackendFactory, default_backend
 from serve.assembly.front_end import RemoteRepository
 from serve.assembly.repository import ModelRepository
-from serve.config import ServerConfig
+from serve.config import ServerConfig, front_end_count
 from serve.core.admission import Admission
 from serve.core.engine import Engine, Reloaded
 from serve.core.metrics import REQUESTS, Metrics
@@ -317,10 +318,12 @@ def serve(config: ServerConfig) -> int:
             logs.event(log, "startup_failed", logging.ERROR, error=str(error))
             return 1
     stop = _StopSignals()
-    if config.front_ends:
+    front_ends = front_end_count(config)  # the default: by device
+    if front_ends:
         from serve.assembly.front_ends import serve_engine
 
-        return serve_engine(config, stop)
+        return serve_engine(dataclasses.replace(config, front_ends=front_ends), stop)
+    config = dataclasses.replace(config, front_ends=0)
     try:
         server, _ = create_server(config)
     except RuntimeError as error:  # e.g. the port is taken
