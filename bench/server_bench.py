@@ -135,8 +135,10 @@ def concurrent_load(target: str, ids_per_client: list[np.ndarray], *, total_requ
 
 def server_flags(graph: str, threads: int, *, batching: bool, max_batch_size: int = 32,
                  queue_delay_ms: float = 0.0, length_split: bool = True) -> list[str]:
-    """Flags for one server run; batching off = one sequence per session.run."""
+    """Flags for one server run; batching off = one sequence per session.run. One process (`--front-ends 0`) on
+    every device, as every earlier row was taken: the front ends a CUDA server starts by default are
+    bench.gpu_request_path's to measure."""
     size = max_batch_size if batching else 1
-    return ["--graph", graph, "--intra-op-threads", str(threads), "--max-batch-size", str(size),
+    return ["--front-ends", "0", "--graph", graph, "--intra-op-threads", str(threads), "--max-batch-size", str(size),
             "--max-sequences-per-request", str(min(size, 32)), "--max-queue-delay-ms",
             str(queue_delay_ms if batching else 0.0), "--length-split", str(length_split).lower()]
