@@ -81,3 +81,19 @@ def test_a_requests_rows_with_a_custom_mask_and_token_types_read_back_equal():
         np.testing.assert_array_equal(have, getattr(rows, name))
     assert got.kind == int(MaskKind.CUSTOM) and work.hidden_states and work.pooling == "mean"
     np.testing.assert_array_equal(got.paths[0][1], [0, 1])
+
+
+def test_a_result_the_wire_cannot_carry_fails_its_own_call_and_moves_no_other_answer():
+    rng = np.random.default_rng(3)
+    before, after = _result(rng, 1, 6, hidden=True, scores=False), _result(rng, 2, 6, hidden=False, scores=True)
+    unsendable = _result(rng, 1, 6, hidden=True, scores=False)
+    object.__setattr__(unsendable, "embeddings", np.array([[object()]], dtype=object))  # pointers, not values
+    frames = ipc.results_frames([(1, before), (2, unsendable), (3, after)])
+    items = orjson.loads(frames[0])["items"]
+    assert "error" in items[1] and items[1]["id"] == 2
+    for item, sent in ((items[0], before), (items[2], after)):
+        got = ipc.read_result(item, frames[1], *_asked(2))
+        np.testing.assert_array_equal(got.embeddings, sent.embeddings)
+        for name in ("hidden_states", "scores"):
+            if getattr(sent, name) is not None:
+                np.testing.assert_array_equal(getattr(got, name), getattr(sent, name))

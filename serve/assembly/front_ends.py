@@ -24,6 +24,7 @@ its own (serve/core/metrics.py).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -31,7 +32,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import collections
 import threading
 import time
 from concurrent import futures

@@ -61,6 +61,8 @@ def _pack(arrays: list[np.ndarray], pieces: list | None = None, at: int = 0) -> 
     specs, pieces = [], [] if pieces is None else pieces
     for array in arrays:
         array = np.ascontiguousarray(array)
+        if array.dtype.hasobject:  # its buffer holds this process's pointers
+            raise TypeError(f"an array of {array.dtype} cannot cross the wire")
         if at % ALIGN:
             pad = ALIGN - at % ALIGN
             pieces.append(bytes(pad))
@@ -135,10 +137,12 @@ def result_item(call_id: int, result: EncodeResult, pieces: list, at: int) -> tu
         if value is not None:
             present.append(name)
             arrays.append(value)
-    specs, _, at = _pack(arrays, pieces, at)
+    mine: list = []  # joined to the burst's only once the whole result packed: a failure moves no offset
+    specs, _, end = _pack(arrays, mine, at)
+    pieces.extend(mine)
     return {"id": call_id, "outputs": present, "a": specs, "queue_s": result.queue_s,
             "inference_s": result.inference_s, "batch_size": result.batch_size, "batch_length": result.batch_length,
-            "provider": result.execution_provider, "paths": list(result.attention_paths)}, at
+            "provider": result.execution_provider, "paths": list(result.attention_paths)}, end
 
 
 def error_header(call_id: int, error: BaseException, kind: str | None = "done") -> dict:
