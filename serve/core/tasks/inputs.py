@@ -1,6 +1,6 @@
 """What the verbs share: what a call sends to be encoded (`Inputs`: texts or token ids), how texts become
-token rows (`TextOptions`: truncation, its direction, the prompt, a per-call token limit), and the rows themselves (`text_rows`,
-`pair_rows`), each checked once against the model's tokenizer and the server's limits.
+token rows (`TextOptions`: truncation, its direction, the prompt, a per-call token limit), and the rows
+themselves (`text_rows`, `pair_rows`), each checked once against the model's tokenizer and the server's limits.
 
 The count of texts (sequences, pairs, documents) is `Limits.check_count`'s (serve/core/requests.py), called
 here for texts and pairs and by `to_rows` for token ids; tokenization is serve/core/text.py's.
