@@ -112,3 +112,25 @@ def test_fused_attention_gives_zeros_for_a_query_with_no_allowed_key(small_confi
     actual = session.run(["last_hidden_state", "mean_pooled"], feeds)
     expected = _reference(small_config, feeds)
     np.testing.assert_allclose(actual[0][:, 5], expected[0][:, 5], atol=FP32_TOLERANCE["limit"], rtol=0)
+
+
+def test_unfused_masked_softmax_as_arithmetic_gives_the_same_bits(small_config, tmp_path):
+    """export/optimize.py masks_as_arithmetic on a block fuse_attention leaves (cosine scaling): no Where left
+    over the heads' scores, and every output bit for bit the fp32 graph's, over every mask kind (a custom mask
+    row with no allowed key included) and padded rows; both run with no further graph optimisation."""
+    from export.optimize import masks_as_arithmetic
+
+    config = small_config.replace(name="arithmetic", scaling="cosine", temperature=0.1)
+    result = export_model(config, tmp_path, graphs=("fp32",), long_length=24)
+    fp32 = onnx.load(str(result.directory / GRAPHS["fp32"].file))
+    rewritten, blocks = masks_as_arithmetic(onnx.load(str(result.directory / GRAPHS["fp32"].file)))
+    assert blocks == config.n_layers
+    assert sum(n.op_type == "Where" for n in rewritten.graph.node) < sum(n.op_type == "Where" for n in fp32.graph.node)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    before, after = (ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+                     for m in (fp32, rewritten))
+    for mask in [*EVERY_MASK, MaskSpec(kind=EVERY_MASK[-1].kind, custom_seed=3)]:
+        feeds = make_feeds(config, [9, 12, 3], mask, seed=5, padded_to=14)
+        for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
+            np.testing.assert_array_equal(got, want)
