@@ -21,7 +21,7 @@ optimized: two passes.
   than the Add, Add, LayerNormalization it replaces (2.29 vs 1.87 ms at [8, 256, 256]; the whole
   graph 12 % faster at (8, 256) without it, int8 19 %), so that fusion was removed.
 int8: dynamic quantisation (int8 weights per channel, activations quantised per call) of the
-  graph after pass 1, for CPU. Weights are quantised to 7 bits (`reduce_range=True`, values in
+  graph after passes 1 and 1b, for CPU. Weights are quantised to 7 bits (`reduce_range=True`, values in
   [-64, 64]). Why: on x86 CPUs without VNNI (AVX2, or AVX-512 without VNNI) ONNX Runtime's
   uint8 x int8 GEMM multiplies with vpmaddubsw, which adds each pair of u8*s8 products into a
   saturating int16; with full 8-bit weights, 2 * 255 * 127 overflows it. On an AMD EPYC with AVX2
@@ -376,6 +376,7 @@ def build_int8(fp32_path: str, out_path: str, config: EncoderConfig) -> None:
 
     external = onnx_files.is_external(fp32_path)
     model, _fused = fuse_attention(onnx.load(fp32_path), config)
+    model, _rewritten = masks_as_arithmetic(model)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out_path) or ".") as tmp:
         fused_path = os.path.join(tmp, "fused.onnx")
         onnx_files.save(model, fused_path, external=external)
