@@ -32,7 +32,7 @@ from __future__ import annotations
 import orjson
 
 from serve.core.tasks import classify, embed, encode, rerank, sparse, tokens
-from serve.core.tasks.inputs import Inputs, TextOptions, direction
+from serve.core.tasks.inputs import Inputs, TextOptions, check_positive, direction
 from serve.errors import ValidationError, quote
 from serve.protocols import fields, infinity
 from serve.protocols.edge import Api, Call, answer_now, start_task
@@ -92,8 +92,7 @@ def _hub_parameters(body: dict) -> tuple[int | None, str | None] | None:
     if not isinstance(parameters, dict):
         raise ValidationError(f"parameters: expected an object, got {quote(parameters)}")
     top_k = fields.integer(parameters, "top_k", None, "a positive integer", field="parameters.top_k")
-    if top_k is not None and top_k < 1:
-        raise ValidationError(f"parameters.top_k: expected a positive integer, got {top_k}")
+    check_positive(top_k, "parameters.top_k")
     function = fields.string(parameters, "function_to_apply", field="parameters.function_to_apply")
     return top_k, classify.activation_name(function, "parameters.function_to_apply")
 

@@ -16,6 +16,12 @@ from serve.core.text import DIRECTIONS
 from serve.errors import ValidationError, quote
 
 
+def check_positive(value: int | None, field: str) -> None:
+    """A count a call may set (max_tokens, max_tokens_per_doc, top_k): None or at least 1."""
+    if value is not None and value < 1:
+        raise ValidationError(f"{field}: expected a positive integer, got {value}")
+
+
 @dataclass(frozen=True, slots=True)
 class TextOptions:
     """How texts become token rows, for every task that takes texts."""
@@ -31,8 +37,7 @@ class TextOptions:
         if self.direction not in DIRECTIONS:
             raise ValidationError(f"truncation_direction: {quote(self.direction)} is not one of "
                                   f"{', '.join(DIRECTIONS)}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValidationError(f"max_tokens: expected a positive integer, got {self.max_tokens}")
+        check_positive(self.max_tokens, "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)

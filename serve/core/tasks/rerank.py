@@ -21,8 +21,8 @@ import numpy as np
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending, multivector
 from serve.core.tasks.classify import activate, activation_of
-from serve.core.tasks.inputs import (TextOptions, non_empty, pair_rows, present, template_of, templated_rows,
-                                     tokenizer)
+from serve.core.tasks.inputs import (TextOptions, check_positive, non_empty, pair_rows, present, template_of,
+                                     templated_rows, tokenizer)
 from serve.errors import ValidationError, quote
 
 
@@ -56,8 +56,7 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
     if task.top_n is not None and task.top_n < 1:
         raise ValidationError(f"top_n: expected an integer >= 1, got {task.top_n}")
     if task.max_tokens_per_doc is not None:
-        if task.max_tokens_per_doc < 1:
-            raise ValidationError(f"max_tokens_per_doc: expected a positive integer, got {task.max_tokens_per_doc}")
+        check_positive(task.max_tokens_per_doc, "max_tokens_per_doc")
         text = tokenizer(engine, field)
         documents, _ = text.keep(documents, task.max_tokens_per_doc, cut=True, field=field,
                                  limit="max_tokens_per_doc")
