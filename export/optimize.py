@@ -125,6 +125,30 @@ def _projection_heads(g: _Graph, name: str, perm: list[int]) -> _Projection | No
     return _Projection(matmul.input[0], weight, bias, [matmul, add, reshape, transpose])
 
 
+def _masked_softmaxes(g: _Graph) -> list[tuple]:
+    """Every masked softmax block (model/attention_math.py masked_softmax), as (pre, softmax, post, lowest):
+    pre = Where(allowed, scores, lowest < -1e30) feeding only a last-axis Softmax, whose only consumer is
+    post = Where(allowed, softmax, 0) on the same `allowed`."""
+    blocks = []
+    for softmax in [n for n in g.graph.node if n.op_type == "Softmax"]:
+        if g.attr(softmax, "axis", -1) not in (-1, 3):
+            continue
+        pre = g.op(softmax.input[0], "Where")
+        if pre is None or len(g.consumers[pre.output[0]]) != 1:
+            continue
+        low = g.const(pre.input[2])
+        if low is None or low.size != 1 or float(low) > -1e30:
+            continue
+        post = g.only_consumer(softmax.output[0], "Where")
+        if post is None or post.input[0] != pre.input[0] or post.input[1] != softmax.output[0]:
+            continue
+        zero = g.const(post.input[2])
+        if zero is None or zero.size != 1 or float(zero) != 0.0:
+            continue
+        blocks.append((pre, softmax, post, float(low)))
+    return blocks
+
+
 def fuse_attention(model: onnx.ModelProto, config: EncoderConfig) -> tuple[onnx.ModelProto, int]:
     """Rewrite every softmax attention block that matches our exported pattern into contrib
     `Attention`; returns (model, number of blocks fused). Blocks that do not match (cosine or
@@ -145,16 +169,8 @@ def fuse_attention(model: onnx.ModelProto, config: EncoderConfig) -> tuple[onnx.
     fused, remove, shared = 0, set(), {}
     new_nodes: dict[int, list] = {}  # index of the node they replace -> nodes
     index = {id(n): i for i, n in enumerate(model.graph.node)}
-    for softmax in [n for n in model.graph.node if n.op_type == "Softmax"]:
-        if g.attr(softmax, "axis", -1) not in (-1, 3):
-            continue
-        pre = g.op(softmax.input[0], "Where")
-        if pre is None or len(g.consumers[pre.output[0]]) != 1:
-            continue
-        cond, scores, lowest = pre.input
-        low = g.const(lowest)
-        if low is None or low.size != 1 or float(low) > -1e30:
-            continue
+    for pre, softmax, post, low in _masked_softmaxes(g):
+        cond, scores, _ = pre.input
         scale, mul = 1.0, g.op(scores, "Mul")
         qk = g.op(scores, "MatMul")
         if mul is not None:
@@ -165,12 +181,6 @@ def fuse_attention(model: onnx.ModelProto, config: EncoderConfig) -> tuple[onnx.
             if qk is None or len(g.consumers[mul.output[0]]) != 1:
                 continue
         if qk is None or len(g.consumers[qk.output[0]]) != 1:
-            continue
-        post = g.only_consumer(softmax.output[0], "Where")
-        if post is None or post.input[0] != cond or post.input[1] != softmax.output[0]:
-            continue
-        zero = g.const(post.input[2])
-        if zero is None or zero.size != 1 or float(zero) != 0.0:
             continue
         pv = g.only_consumer(post.output[0], "MatMul")
         if pv is None or pv.input[0] != post.output[0]:
@@ -264,22 +274,8 @@ def masks_as_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     from inputs that already overflow) now reaches its row's softmax; the server refuses a non-finite answer
     either way. float32 graphs only (the optimized and int8 builds; fp16 is built from the fp32 graph)."""
     g = _Graph(model.graph)
-    plans: dict[int, tuple[str, object]] = {}  # id(Where) -> ("pre" | "post", mask)
-    for softmax in [n for n in model.graph.node if n.op_type == "Softmax"]:
-        if g.attr(softmax, "axis", -1) not in (-1, 3):
-            continue
-        pre = g.op(softmax.input[0], "Where")
-        if pre is None or len(g.consumers[pre.output[0]]) != 1:
-            continue
-        low = g.const(pre.input[2])
-        if low is None or low.size != 1 or float(low) > -1e30:
-            continue
-        post = g.only_consumer(softmax.output[0], "Where")
-        if post is None or post.input[0] != pre.input[0] or post.input[1] != softmax.output[0]:
-            continue
-        zero = g.const(post.input[2])
-        if zero is None or zero.size != 1 or float(zero) != 0.0:
-            continue
+    plans: dict[int, tuple[str, object]] = {}  # id(Where) -> ("pre" | "post", the block's pre Where)
+    for pre, _softmax, post, _low in _masked_softmaxes(g):
         plans[id(pre)], plans[id(post)] = ("pre", pre), ("post", pre)
     if not plans:
         return model, 0
