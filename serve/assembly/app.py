@@ -323,7 +323,6 @@ def serve(config: ServerConfig) -> int:
         from serve.assembly.front_ends import serve_engine
 
         return serve_engine(dataclasses.replace(config, front_ends=front_ends), stop)
-    config = dataclasses.replace(config, front_ends=0)
     try:
         server, _ = create_server(config)
     except RuntimeError as error:  # e.g. the port is taken

@@ -145,9 +145,9 @@ def result_item(call_id: int, result: EncodeResult, pieces: list, at: int) -> tu
             "provider": result.execution_provider, "paths": list(result.attention_paths)}, end
 
 
-def error_header(call_id: int, error: BaseException, kind: str | None = "done") -> dict:
-    """An error as the wire carries it: its ServeError class and message (anything else: BackendError);
-    `kind` None: an item of a burst."""
+def error_header(call_id: int, error: BaseException, kind: str | None = None) -> dict:
+    """An error as the wire carries it: its ServeError class and message (anything else: BackendError); as a
+    message of its own with `kind` ("reply"), else as an item of a burst of answers."""
     name = type(error).__name__ if isinstance(error, ServeError) else "BackendError"
     message = error.message if isinstance(error, ServeError) else f"{type(error).__name__}: {error}"
     return {"id": call_id, "error": [name, message], **({"k": kind} if kind else {})}
@@ -158,12 +158,12 @@ def results_frames(outcomes: list[tuple[int, EncodeResult | BaseException]]) -> 
     items, pieces, at = [], [], 0
     for call_id, outcome in outcomes:
         if isinstance(outcome, BaseException):
-            items.append(error_header(call_id, outcome, None))
+            items.append(error_header(call_id, outcome))
             continue
         try:
             item, at = result_item(call_id, outcome, pieces, at)
         except Exception as error:  # a result the wire cannot carry fails its own call only
-            item = error_header(call_id, error, None)
+            item = error_header(call_id, error)
         items.append(item)
     return _frames({"k": "done", "items": items}, pieces)
 
