@@ -37,6 +37,7 @@ import numpy as np
 
 from bench.harness import (REPO, closed_loop, cpu_seconds, latency_summary, metric_sum, running_server,
                            scrape_metrics, sentence)
+from serve.config import ServerConfig, front_end_count
 
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
@@ -219,7 +220,8 @@ def server_load(export: Path, device: str, front_ends: int, protocol: str, clien
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_request_path", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--front-ends", default="", help="comma-separated (default: 0 and min(8, CPUs // 2))")
+    parser.add_argument("--front-ends", default="", help="comma-separated (default: 0 and the server's "
+                        "default with --device cuda, serve/config.py front_end_count)")
     parser.add_argument("--protocols", default="grpc,http", help="comma-separated: grpc (Encode with texts), http "
                         "(OpenAI /v1/embeddings)")
     parser.add_argument("--serve-flags", default="", help="more `python -m serve` flags for every server, e.g. "
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.clients, args.seconds = min(args.clients, 16), min(args.seconds, 4.0)
     counts = [int(n) for n in args.front_ends.split(",")] if args.front_ends else \
-        [0, max(1, min(8, (os.cpu_count() or 2) // 2))]
+        [0, front_end_count(ServerConfig(device="cuda"))]  # one process, and the server's default on a GPU
     workdir = Path(args.workdir) / ("quick" if args.quick else "bert-base")
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
