@@ -50,15 +50,12 @@ class Rows:
             object.__setattr__(self, "tokens", int(self.lengths.sum()))
 
     def __len__(self) -> int:
-        return int(self.block.shape[0])
+        return len(self.block)
 
     @property
     def full(self) -> bool:
         """Every row is `longest` long (no padding inside the block)."""
         return self.tokens == len(self) * self.longest
-
-    def by_path(self) -> tuple[tuple[str, np.ndarray], ...]:
-        return self.paths or ((DENSE, np.arange(len(self))),)
 
 
 _cache: dict[tuple, np.ndarray] = {}
@@ -106,10 +103,10 @@ def pad_batch(pieces: list[tuple[Rows, np.ndarray | None]], length: int, config:
     dense graph takes the [B, T, T] custom mask."""
     if lengths is None:
         lengths = run_lengths(pieces)[0]
-    if len(pieces) == 1 and pieces[0][1] is None and pieces[0][0].block.shape[1] == length:
-        rows = pieces[0][0]  # one whole request of the run's width: its block is the batch
-        first = rows.block
-        counts = [len(rows)]
+    if all(index is None and rows.block.shape[1] == length for rows, index in pieces):
+        # whole requests of the run's width (one: its block is the batch): stacked, nothing to pad
+        first = pieces[0][0].block if len(pieces) == 1 else np.concatenate([rows.block for rows, _ in pieces])
+        counts = [len(rows) for rows, _ in pieces]
     else:
         counts = [len(rows) if index is None else len(index) for rows, index in pieces]
         n = sum(counts)

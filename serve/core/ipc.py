@@ -27,6 +27,7 @@ ONE message ("items"), so a run of 32 rows is one send per front end, not 32 (se
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def _frames(header: dict, pieces: list) -> list:
 
 
 def _unpack(specs: list, body) -> list[np.ndarray]:
-    return [np.frombuffer(body, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+    return [np.frombuffer(body, dtype, math.prod(shape), offset).reshape(shape)
             for dtype, shape, offset in specs]
 
 
@@ -227,9 +228,14 @@ def receiver(context, bind: str):
 
 def receive(socket, timeout_s: float) -> tuple[dict, object] | None:
     """The next message as (header, its body or None), or None after `timeout_s` with none."""
-    if not socket.poll(int(timeout_s * 1000)):
-        return None
-    frames = socket.recv_multipart(copy=False)
+    import zmq
+
+    try:  # under load a message is waiting: no poll before it
+        frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        if not socket.poll(int(timeout_s * 1000)):
+            return None
+        frames = socket.recv_multipart(copy=False)
     return orjson.loads(frames[0].bytes), frames[1].buffer if len(frames) > 1 else None
 
 

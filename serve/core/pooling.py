@@ -34,7 +34,7 @@ NORM_FLOOR = 1e-12  # a zero vector stays zero instead of dividing by zero
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:
     """Each vector along the last axis divided by its L2 norm (a zero vector stays zero)."""
-    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    norms = np.sqrt(np.add.reduce(vectors * vectors, axis=-1, keepdims=True))  # np.linalg.norm's sum, less overhead
     return vectors / np.maximum(norms, NORM_FLOOR).astype(vectors.dtype, copy=False)
 
 

@@ -87,15 +87,17 @@ class BatchRunner:
         groups: dict[tuple[str, int], list] = {}
         for ticket in batch:
             rows = ticket.rows
-            paths = rows.by_path()
+            paths = rows.paths or ((DENSE, None),)  # (): every row dense
             for path, index in paths:
                 groups.setdefault((path, _step(rows, path)), []).append(
                     (ticket, None if len(paths) == 1 else index))
         runs = []
         for key in sorted(groups, key=lambda key: (PATHS.index(key[0]), key[1])):
             pieces = groups[key]
-            if self.run_cost is None:
-                runs.append((key[0], pieces))
+            length = pieces[0][0].length
+            if self.run_cost is None or all(index is None and ticket.rows.full and ticket.length == length
+                                            for ticket, index in pieces):
+                runs.append((key[0], pieces))  # every row one length: no split saves padding (plan_runs)
                 continue
             owners, lengths = [], []
             for k, (ticket, index) in enumerate(pieces):
