@@ -1,15 +1,19 @@
-"""The wire between front ends and the engine (serve/core/ipc.py): a request's rows and a burst of answers each
+"""The wire between front ends and the engine (serve/core/ipc.py): a burst of requests and a burst of answers each
 cross as one header and one body, and read back as the arrays that were sent, each call's its own. The servers
 that use it end to end are in tests/test_front_ends.py."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import orjson
+import zmq
 
 from model.mask_kinds import MaskKind
 from serve.backend.feeds import Rows
 from serve.core import ipc
+from serve.core.remote import EngineLink, RemoteTicket
 from serve.core.requests import EncodeResult, Work
 from serve.errors import Overloaded, ServeError
 
@@ -73,8 +77,8 @@ def test_a_requests_rows_with_a_custom_mask_and_token_types_read_back_equal():
     types = rng.integers(0, 2, (2, 5)).astype(np.int64)
     rows = Rows(block, lengths, int(MaskKind.CUSTOM), custom=custom, types=types,
                 paths=(("dense", np.array([0, 1])),))
-    frames = ipc.work_frames(0, 9, "m", Work(block, hidden_states=True, pooling="mean"), rows, None)
-    work, got = ipc.read_work(orjson.loads(frames[0]), frames[1])
+    frames = ipc.work_frames(0, [(9, "m", Work(block, hidden_states=True, pooling="mean"), rows, None)])
+    work, got = ipc.read_work(orjson.loads(frames[0])["items"][0], frames[1])
     for name in ("block", "lengths", "custom", "types"):
         have = getattr(got, name)
         assert have.flags.aligned, name
@@ -97,3 +101,85 @@ def test_a_result_the_wire_cannot_carry_fails_its_own_call_and_moves_no_other_an
         for name in ("hidden_states", "scores"):
             if getattr(sent, name) is not None:
                 np.testing.assert_array_equal(getattr(got, name), getattr(sent, name))
+
+
+def _plain(rng, rows: int, width: int) -> tuple[Work, Rows]:
+    block = rng.integers(1, 100, (rows, width)).astype(np.int64)
+    return Work(block, pooling="mean"), Rows(block, np.full(rows, width, np.int64))
+
+
+def test_a_burst_of_requests_reads_back_each_calls_own_rows_and_settings():
+    rng = np.random.default_rng(4)
+    lengths = np.array([2, 3], np.int64)
+    block = rng.integers(1, 100, (2, 3)).astype(np.int64)
+    custom = rng.random((2, 3, 3)) < 0.5  # 18 bytes: the next request's arrays start unaligned unless padded
+    masked = Rows(block, lengths, int(MaskKind.CUSTOM), custom=custom)
+    sent = [(21, "a", *_plain(rng, 1, 4), None), (22, "b", Work(block, hidden_states=True), masked, 12.5),
+            (23, "a", *_plain(rng, 3, 5), None)]
+    frames = ipc.work_frames(1, sent)
+    assert len(frames) == 2  # one header, one body, however many requests
+    header = orjson.loads(frames[0])
+    assert header["fe"] == 1 and [item["id"] for item in header["items"]] == [21, 22, 23]
+    for item, (_, model, work, rows, deadline) in zip(header["items"], sent):
+        assert item["model"] == model and item["deadline"] == deadline
+        got_work, got = ipc.read_work(item, frames[1])
+        assert got_work.hidden_states == work.hidden_states and got.kind == rows.kind
+        for name in ("block", "lengths", "custom"):
+            want, have = getattr(rows, name), getattr(got, name)
+            assert (want is None) == (have is None), name
+            if want is not None:
+                assert have.flags.aligned, name
+                np.testing.assert_array_equal(have, want)
+
+
+def _engine_socket(folder: str):
+    """A PULL socket where the engine's would be: what a front end's link sends, as the engine reads it."""
+    context = zmq.Context.instance()
+    return ipc.receiver(context, ipc.address(folder, ipc.ENGINE_SOCKET))
+
+
+def test_requests_queued_together_leave_as_one_message_with_the_cancels_after():
+    rng = np.random.default_rng(5)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = _engine_socket(folder)
+        link = EngineLink(folder, 3)
+        try:
+            tickets = [RemoteTicket(*_plain(rng, 1, 4), None) for _ in range(3)]
+            for ticket in tickets:  # before the sender starts: all three wait for it
+                link.send_work(ticket, "m")
+            tickets[1].cancel()
+            link.start()
+            header, body = ipc.receive(engine, 10.0)
+            assert header["k"] == "work" and header["fe"] == 3
+            assert [item["id"] for item in header["items"]] == [t.call_id for t in tickets]
+            np.testing.assert_array_equal(ipc.read_work(header["items"][2], body)[1].block, tickets[2].rows.block)
+            cancel, _ = ipc.receive(engine, 10.0)
+            assert cancel == {"k": "cancel", "fe": 3, "ids": [tickets[1].call_id]}
+        finally:
+            link.stop()
+            engine.close(linger=0)
+
+
+def test_a_burst_the_wire_cannot_carry_fails_each_of_its_calls_and_nothing_waits():
+    rng = np.random.default_rng(6)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = _engine_socket(folder)
+        link = EngineLink(folder, 0)
+        try:
+            good = RemoteTicket(*_plain(rng, 1, 4), None)
+            work, rows = _plain(rng, 1, 4)
+            bad = RemoteTicket(work, Rows(np.array([[object()]]), rows.lengths), None)  # pointers, not values
+            link.send_work(good, "m")
+            link.send_work(bad, "m")
+            link.start()
+            for ticket in (good, bad):
+                try:
+                    ticket.wait(10.0)
+                except ServeError as error:
+                    assert "could not be sent to the engine process" in error.message
+                else:
+                    raise AssertionError("a call of an unsendable burst was answered")
+            assert link.in_flight() == 0
+        finally:
+            link.stop()
+            engine.close(linger=0)

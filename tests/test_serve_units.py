@@ -304,6 +304,69 @@ def test_a_request_that_ran_as_one_piece_is_answered_with_views_of_the_runs_outp
     batcher.stop(5)
 
 
+def _answered_on(ticket) -> list[str]:
+    """The name of the thread that answers `ticket` (its done callback's), once it is answered."""
+    names: list[str] = []
+    ticket.add_done_callback(lambda _: names.append(threading.current_thread().name))
+    return names
+
+
+def test_a_lone_requests_answer_is_assembled_by_the_worker_that_ran_it():
+    batcher = _batcher(FakeBackend(), max_queue_delay_s=0.0)
+    ticket = _submit(batcher, [1, 2, 3])
+    names = _answered_on(ticket)
+    ticket.wait(5)
+    assert names == ["batcher-0"]  # no hand-off: nothing else waited
+    batcher.stop(5)
+
+
+def test_the_next_batch_starts_while_the_last_runs_answers_are_still_being_assembled():
+    """With work queued behind a run, its answers are assembled on the finisher thread: here the first answer's
+    callback holds until the second batch is inside the backend, which cannot happen if the worker that must start
+    that batch were the one assembling."""
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0.0)
+    first = _submit(batcher, [1, 2, 3])
+    assert backend.entered.wait(5)
+    second_started, held, first_names = threading.Event(), threading.Event(), []
+
+    def hold(_ticket) -> None:
+        first_names.append(threading.current_thread().name)
+        if backend.entered.wait(5):  # the second batch's run began meanwhile
+            second_started.set()
+        held.set()
+
+    first.add_done_callback(hold)
+    second = _submit(batcher, [4, 5])  # queued while the first runs
+    second_names = _answered_on(second)
+    backend.entered.clear()
+    backend.release.set()
+    assert held.wait(10)
+    assert second_started.is_set() and first_names == ["batcher-finish"]
+    np.testing.assert_array_equal(second.wait(5).outputs[0].hidden_states[:, 0], [4, 5])
+    assert second_names == ["batcher-0"]  # nothing queued behind it: answered by its worker
+    batcher.stop(5)
+
+
+def test_a_drain_waits_for_answers_still_being_assembled():
+    backend = FakeBackend()
+    backend.release.clear()
+    batcher = _batcher(backend, max_queue_delay_s=0.0)
+    first = _submit(batcher, [1, 2])
+    assert backend.entered.wait(5)
+    assembling, let_go = threading.Event(), threading.Event()
+    first.add_done_callback(lambda _: (assembling.set(), let_go.wait(10)))
+    second = _submit(batcher, [3])  # queued: the first's answer goes to the finisher
+    backend.release.set()
+    assert assembling.wait(5)
+    second.wait(5)
+    assert not batcher.drain(0.05)  # the first's answer is still being assembled
+    let_go.set()
+    assert batcher.drain(5)
+    batcher.stop(5)
+
+
 def test_batcher_respects_the_token_budget():
     backend = FakeBackend()
     batcher = _batcher(backend, max_batch_tokens=10)

@@ -112,22 +112,24 @@ class EngineService:
     def _handle(self, header: dict, body) -> None:
         kind = header.get("k")
         if kind == "work":
-            self._work(header["fe"], header, body)
+            for item in header["items"]:
+                self._work(header["fe"], item, body)
         elif kind == "cancel":
-            ticket = self._tickets.get((header["fe"], header["id"]))
-            if ticket is not None:
-                ticket.cancel()
+            for call_id in header["ids"]:
+                ticket = self._tickets.get((header["fe"], call_id))
+                if ticket is not None:
+                    ticket.cancel()
         elif kind == "call":
             self._pool.submit(self._call, header)
         elif kind in self._events:
             self._events[kind](header)
 
-    def _work(self, front_end: int, header: dict, body) -> None:
-        call_id, key, held = header["id"], (front_end, header["id"]), Held()
+    def _work(self, front_end: int, item: dict, body) -> None:
+        call_id, key, held = item["id"], (front_end, item["id"]), Held()
         try:
-            engine = self._admission.admit(held, model=header["model"])
-            work, rows = ipc.read_work(header, body)
-            ticket = engine.batcher.submit(work, rows, header["deadline"])
+            engine = self._admission.admit(held, model=item["model"])
+            work, rows = ipc.read_work(item, body)
+            ticket = engine.batcher.submit(work, rows, item["deadline"])
         except Exception as error:
             held.end()
             self._send(front_end, ipc.error_frames(call_id, error))

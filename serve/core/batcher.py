@@ -15,6 +15,11 @@ How a formed batch runs (attention paths, length-sorted session.runs where split
 padding, outputs) is serve/core/runs.py's. Cancelled and deadline-expired requests are dropped when
 the batch is formed.
 A batch whose inference fails is re-run request by request, so one bad request fails alone (INTERNAL).
+
+Answers: a run's completed tickets are answered (their outputs cut from the run's, `done` callbacks called) by
+the worker itself when nothing waits in the queue (a lone request: no hand-off), else by the batcher's finisher
+thread, so the worker forms and starts the next batch at once. On a GPU the device idles while the one
+interpreter assembles answers; this overlaps that work with the next run (bench/engine_cost.py).
 """
 
 from __future__ import annotations
@@ -147,7 +152,11 @@ class Batcher:
         self._queue: collections.deque[Ticket] = collections.deque()
         self._scanned = float("-inf")  # when a full queue was last searched for ended tickets
         self._queued_rows = 0
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # the runs' completed tickets (_Progress lists) the finisher thread has still to answer (module docstring)
+        self._unanswered: collections.deque[list] = collections.deque()
+        self._finisher_wake = threading.Condition(lock)
         self._closed = False
         self._stopping = False
         self._running: dict[int, list[Ticket]] = {}  # worker -> the batch it runs
@@ -155,6 +164,7 @@ class Batcher:
         # one worker per batch that may run at once (ServerConfig.instances), all on the one backend
         self._threads = [threading.Thread(target=self._run, args=(worker,), name=f"batcher-{worker}", daemon=True)
                          for worker in range(max(1, instances))]
+        self._threads.append(threading.Thread(target=self._finisher, name="batcher-finish", daemon=True))
 
     # -- admission ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -212,7 +222,7 @@ class Batcher:
         """Waits until the queue is empty and no batch runs; True when drained in time."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._running:
+            while self._queue or self._running or self._unanswered:
                 remaining = None if end is None else end - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -223,7 +233,8 @@ class Batcher:
         """Finishes every queued and running ticket with `error` (a drain whose grace period ran out);
         the running batch's results, if they come, are dropped. Returns how many were abandoned."""
         with self._cond:
-            tickets = [*self._queue, *(t for batch in self._running.values() for t in batch)]
+            tickets = [*self._queue, *(t for batch in self._running.values() for t in batch),
+                       *(progress.ticket for done in self._unanswered for progress in done)]
             self._queue.clear()
             self._queued_rows = 0
             self._cond.notify_all()
@@ -238,6 +249,7 @@ class Batcher:
                 ticket._finish(error=Unavailable("server stopped before the request ran"))
             self._queue.clear()
             self._cond.notify_all()
+            self._finisher_wake.notify()
         self.scheduler.wake()  # a worker waiting for a run slot gives up
         self.scheduler.forget(self)
         for thread in self._threads:
@@ -314,7 +326,7 @@ class Batcher:
             if batch is None:
                 return
             try:
-                self.runner.run(batch, wide=self._alone.get(worker, False))
+                self.runner.run(batch, wide=self._alone.get(worker, False), finish=self._answer_run)
             except BaseException as error:  # never leave a ticket waiting
                 logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
                            requests=len(batch))
@@ -325,6 +337,33 @@ class Batcher:
                     self._running.pop(worker, None)
                     self._alone.pop(worker, None)
                     self._cond.notify_all()
+
+    def _answer_run(self, done: list) -> None:
+        """Answers a run's completed tickets: here when nothing is queued, else on the finisher thread (module
+        docstring)."""
+        with self._cond:
+            if self._queue and not self._stopping:
+                self._unanswered.append(done)
+                self._finisher_wake.notify()
+                return
+        self.runner.finish(done)
+
+    def _finisher(self) -> None:
+        """The finisher thread: answers what `_answer_run` left it, in order; then tells a drain."""
+        logs.name_thread("batcher-finish")
+        while True:
+            with self._cond:
+                while not self._unanswered and not self._stopping:
+                    self._finisher_wake.wait()
+                if not self._unanswered:
+                    return
+                done = self._unanswered[0]
+            try:
+                self.runner.finish(done)
+            finally:
+                with self._cond:
+                    self._unanswered.popleft()
+                    self._cond.notify_all()  # a drain waits for these too
 
     def _isolate(self, batch: list[Ticket], error: BaseException, worker: int = 0) -> None:
         """After a failed batch, runs each request alone: only the one that fails gets the error."""

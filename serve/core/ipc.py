@@ -11,12 +11,16 @@ bytes of its padded block and lengths (its custom mask, token types and path ind
 as the bytes of its hidden states, embeddings and head scores. numpy views the received body in place
 (np.frombuffer). One body, not a frame per array: each frame is a send and a receive of its own in pyzmq, and
 for the small arrays of an embedding those calls, not the bytes, were the cost (docs/serving.md "Front ends").
-The engine answers in bursts: the results its runs finish while its outbox thread sends go to each front end as
-ONE message ("items"), so a run of 32 rows is one send per front end, not 32 (serve/assembly/front_ends.py).
+Both ends send in bursts. A front end's sender thread sends every request its transports checked since its
+last send as ONE message (serve/core/remote.py), and the engine's outbox thread sends the results its runs
+finished since its last send to each front end as ONE message (serve/assembly/front_ends.py): under load, a
+message per burst each way instead of one per request, each a receive, a header to decode and a GIL hand-off in
+the engine, whose one interpreter is the server's limit on a GPU host (docs/performance.md).
 
-  front end -> engine   {"k": "work", "fe", "id", "model", "deadline", "out": [hidden, pooling, normalize, scores,
-                         chunked], "rows": {...}}            rows already checked by the front end (to_rows)
-                        {"k": "cancel", "id"}                the caller left: a queued request is dropped
+  front end -> engine   {"k": "work", "fe", "items": [{"id", "model", "deadline", "out": [hidden, pooling,
+                         normalize, scores, chunked], "rows": {...}}, ...]}   every request the front end's sender
+                                                             took at once; rows already checked there (to_rows)
+                        {"k": "cancel", "fe", "ids"}         callers that left: their queued requests are dropped
                         {"k": "call", "id", "op", "args"}    a repository or lifecycle call (load, unload, ...)
                         {"k": "hello" | "listening", ...}    a front end started / listens
   engine -> front end   {"k": "done", "items": [{"id", ...result} or {"id", "error": [class, message]}, ...]}
@@ -86,7 +90,18 @@ def _unpack(specs: list, body) -> list[np.ndarray]:
 
 # -- work: front end -> engine -------------------------------------------------------------------------
 
-def work_frames(front_end: int, call_id: int, model: str, work: Work, rows: Rows, deadline: float | None) -> list:
+def work_frames(front_end: int, works: list[tuple[int, str, Work, Rows, float | None]]) -> list:
+    """One message carrying a front end's requests, (call id, model, Work, Rows, deadline) each, their arrays in one
+    body (`read_work` reads an item back)."""
+    items, pieces, at = [], [], 0
+    for call_id, model, work, rows, deadline in works:
+        item, at = _work_item(call_id, model, work, rows, deadline, pieces, at)
+        items.append(item)
+    return _frames({"k": "work", "fe": front_end, "items": items}, pieces)
+
+
+def _work_item(call_id: int, model: str, work: Work, rows: Rows, deadline: float | None, pieces: list,
+               at: int) -> tuple[dict, int]:
     arrays = [rows.block, rows.lengths]
     optional = {}
     for name in ("custom", "types"):
@@ -98,27 +113,26 @@ def work_frames(front_end: int, call_id: int, model: str, work: Work, rows: Rows
     for path, index in rows.paths:
         paths.append([path, len(arrays)])
         arrays.append(index)
-    specs, pieces, _ = _pack(arrays)
-    header = {"k": "work", "fe": front_end, "id": call_id, "model": model, "deadline": deadline,
-              "out": [work.hidden_states, work.pooling, work.normalize, work.scores, bool(work.chunks)],
-              "rows": {"mask": [rows.kind, rows.causal, rows.window, rows.step], "optional": optional, "paths": paths,
-                       "attention_bytes": rows.attention_bytes, "row_elements": rows.row_elements,
-                       "longest": rows.longest, "tokens": rows.tokens},
-              "a": specs}
-    return _frames(header, pieces)
+    specs, _, at = _pack(arrays, pieces, at)
+    return {"id": call_id, "model": model, "deadline": deadline,
+            "out": [work.hidden_states, work.pooling, work.normalize, work.scores, bool(work.chunks)],
+            "rows": {"mask": [rows.kind, rows.causal, rows.window, rows.step], "optional": optional, "paths": paths,
+                     "attention_bytes": rows.attention_bytes, "row_elements": rows.row_elements,
+                     "longest": rows.longest, "tokens": rows.tokens},
+            "a": specs}, at
 
 
-def read_work(header: dict, body) -> tuple[Work, Rows]:
-    """The engine's Work and Rows of a front end's request (checked there: to_rows)."""
-    arrays = _unpack(header["a"], body)
-    r = header["rows"]
+def read_work(item: dict, body) -> tuple[Work, Rows]:
+    """The engine's Work and Rows of one item of a front end's work message (checked there: to_rows)."""
+    arrays = _unpack(item["a"], body)
+    r = item["rows"]
     kind, causal, window, step = r["mask"]
     optional = {name: arrays[at] for name, at in r["optional"].items()}
     rows = Rows(arrays[0], arrays[1], kind, causal, window, step, optional.get("custom"),
                 tuple((path, arrays[at]) for path, at in r["paths"]), attention_bytes=r["attention_bytes"],
                 types=optional.get("types"), row_elements=r["row_elements"], longest=r["longest"],
                 tokens=r["tokens"])
-    hidden, pooling, normalize, scores, chunked = header["out"]
+    hidden, pooling, normalize, scores, chunked = item["out"]
     # chunked: the front end pools the windows of each text and normalises after; the engine leaves them be
     work = Work(rows.block, MaskChoice(), hidden, pooling, normalize, scores, chunks=(1,) if chunked else ())
     return work, rows

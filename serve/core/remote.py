@@ -4,8 +4,9 @@ budget: everything a call is checked against, read here) whose batcher is a `Rem
 go over the wire (serve/core/ipc.py) to the engine, which batches and runs them with every other front end's,
 and the answer comes back on the link's receiver thread, where its ticket finishes as a batcher's would.
 
-  EngineLink     a front end's end of the wire: work out, answers in, control calls and their replies, and
-                 the engine's news (the served models, the server's state) to the handlers registered for it
+  EngineLink     a front end's end of the wire: work out (by its sender thread, in bursts: every request checked
+                 since its last send in one message), answers in, control calls and their replies, and the
+                 engine's news (the served models, the server's state) to the handlers registered for it
   RemoteBatcher  the batcher of a model in a front end: its tickets in flight to the engine
   remote_engine  an Engine for a model the engine describes (`spec`, the engine's `model_spec`)
   model_spec     what a front end needs of an engine's model to build its own
@@ -19,6 +20,7 @@ import random
 import threading
 from typing import Callable
 
+from serve import logs
 from serve.backend.export_dir import load_export
 from serve.backend.feeds import Rows
 from serve.backend.session import BackendInfo
@@ -60,9 +62,14 @@ class EngineLink:
         self._handlers: dict[str, Callable[[dict], None]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._receive, name="engine-link", daemon=True)
+        # work and cancels not sent yet: (ticket, model) or (None, call id); the sender takes them all at once
+        self._outgoing: list[tuple[RemoteTicket | None, str | int]] = []
+        self._outgoing_wake = threading.Condition()
+        self._sender = threading.Thread(target=self._send_outgoing, name="engine-send", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._sender.start()
 
     def on(self, kind: str, handler: Callable[[dict], None]) -> None:
         """`handler(header)` for each message of `kind` the engine sends unasked (models, state)."""
@@ -70,17 +77,45 @@ class EngineLink:
 
     # -- out -----------------------------------------------------------------------------------------
     def send_work(self, ticket: RemoteTicket, model: str) -> None:
+        """Queues the ticket's rows for the sender thread (its answer finishes the ticket)."""
         ticket.link, ticket.call_id = self, next(self._ids)
         self._pending[ticket.call_id] = ticket
-        try:
-            self._out.send(ipc.work_frames(self.index, ticket.call_id, model, ticket.request, ticket.rows,
-                                           ticket.deadline))
-        except Exception:
-            self._pending.pop(ticket.call_id, None)
-            raise
+        self._queue((ticket, model))
 
     def cancel(self, call_id: int) -> None:
-        self._out.send_json({"k": "cancel", "fe": self.index, "id": call_id})
+        self._queue((None, call_id))  # behind its work, if that is not sent yet
+
+    def _queue(self, entry: tuple) -> None:
+        with self._outgoing_wake:
+            self._outgoing.append(entry)
+            if len(self._outgoing) == 1:  # else the sender was woken already and has not taken them yet
+                self._outgoing_wake.notify()
+
+    def _send_outgoing(self) -> None:
+        """The sender: every request queued since its last pass in one message, then the cancels. While it sends,
+        the next ones gather, so a pump's burst of calls leaves together; a lone call leaves alone, at once."""
+        logs.name_thread("engine-send")
+        while True:
+            with self._outgoing_wake:
+                while not self._outgoing and not self._stopping:
+                    self._outgoing_wake.wait()
+                if not self._outgoing:
+                    return
+                outgoing, self._outgoing = self._outgoing, []
+            works = [(ticket, model) for ticket, model in outgoing if ticket is not None and not ticket.done()]
+            cancels = [call_id for ticket, call_id in outgoing if ticket is None]
+            try:
+                if works:
+                    self._out.send(ipc.work_frames(self.index, [
+                        (ticket.call_id, model, ticket.request, ticket.rows, ticket.deadline) for ticket, model in works]))
+                if cancels:
+                    self._out.send_json({"k": "cancel", "fe": self.index, "ids": cancels})
+            except Exception as error:  # never leave a caller waiting: each of these gets the error
+                logs.event(log, "work_unsendable", logging.ERROR, error=repr(error), calls=len(works))
+                for ticket, _ in works:
+                    if self._pending.pop(ticket.call_id, None) is not None:
+                        ticket._finish(error=ServeError(f"the request could not be sent to the engine process: "
+                                                        f"{type(error).__name__}: {error}"))
 
     def tell(self, kind: str, **fields) -> None:
         """A message the engine needs no reply to (hello, listening)."""
@@ -114,6 +149,9 @@ class EngineLink:
 
     def stop(self) -> None:
         self._stopping = True
+        with self._outgoing_wake:
+            self._outgoing_wake.notify()
+        self._sender.join(timeout=5)
         self._thread.join(timeout=5)
         self._out.close()
         self._in.close(linger=0)

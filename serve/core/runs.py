@@ -10,6 +10,7 @@ A run's outputs are one padded array per output; a request that ran as one whole
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -19,12 +20,15 @@ from model.attention_paths import DENSE, PATHS, SPARSE
 from model.config import EncoderConfig
 from model.mask_kinds import MaskKind
 from model.projection import Dense
+from serve import logs
 from serve.backend.feeds import Rows, pad_batch, run_lengths
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
 from serve.core.pooling import FROM_HIDDEN, request_outputs
 from serve.core.requests import EncodeResult
-from serve.errors import ValidationError
+from serve.errors import ServeError, ValidationError
+
+log = logging.getLogger("serve.core.runs")
 
 
 class BatchRunner:
@@ -38,13 +42,15 @@ class BatchRunner:
         # a session on every CPU for a batch that runs alone (Backend.has_wide; test doubles have none)
         self.has_wide = bool(getattr(backend, "has_wide", False))
 
-    def run(self, batch: list, wide: bool = False) -> None:
+    def run(self, batch: list, wide: bool = False, finish: Callable[[list], None] | None = None) -> None:
         """Runs the batch's rows: one session.run per attention path, or length-sorted runs
         (serve/core/batch_plan.py) when a RunCost is set and splitting saves work. Each ticket finishes
         as soon as its last row has run, so short requests in a mixed batch come back first. `wide`:
-        the batch runs alone on the machine, so its dense runs may take the session on every CPU."""
+        the batch runs alone on the machine, so its dense runs may take the session on every CPU.
+        `finish(done)`: answers the tickets a run completed (`BatchRunner.finish`, the default, or the batcher's
+        finisher thread)."""
         progress = {ticket: _Progress(ticket) for ticket in batch}
-        provider = self.backend.info.execution_provider
+        finish = finish or self.finish
         for number, (path, pieces) in enumerate(self._runs(batch)):
             length = max(t.length if i is None else int(t.rows.lengths[i].max()) for t, i in pieces)
             pieces_rows = [(t.rows, i) for t, i in pieces]
@@ -77,8 +83,19 @@ class BatchRunner:
                         if progress[ticket].complete and not ticket.done()]
             if complete:  # every method alike; before the answers
                 self._observe(queue_s=[done.queue_s for done in complete])
-            for done in complete:
-                done.finish(provider, self.dense)
+                finish(complete)
+
+    def finish(self, done: list) -> None:
+        """Answers each completed ticket of `done` (its _Progress): its outputs, or the error assembling them
+        raised (INTERNAL), which fails it alone."""
+        provider = self.backend.info.execution_provider
+        for progress in done:
+            try:
+                progress.finish(provider, self.dense)
+            except Exception as error:
+                logs.event(log, "answer_failed", logging.ERROR, error=f"{type(error).__name__}: {error}")
+                progress.ticket._finish(error=error if isinstance(error, ServeError)
+                                        else ServeError(f"{type(error).__name__}: {error}"))
 
     def _runs(self, batch: list) -> list[tuple[str, list[tuple[object, np.ndarray | None]]]]:
         """The session.runs for `batch`: (path, pieces), a piece being a ticket and the indices of its
