@@ -19,6 +19,8 @@ front_end.py         server CPU per request: front end vs model | KServe v2 on o
 core_cost.py         serving code's own CPU per request, backend nulled | v2 gRPC vs v2 REST | python -m bench.core_cost
 gpu_request_path.py  server tokens/s vs in process, GPU busy, 1 and N front ends | the same graph in process |
                      python -m bench.gpu_request_path (a GPU host; --device cpu --quick checks the script)
+engine_cost.py       the engine process alone: req/s, CPU per request, device busy | before/after trees
+                     (PYTHONPATH) | python -m bench.engine_cost --export-dir E [--run-ms 0.5 --row-ms 0.09]
 many_models.py       two models, one host: share, quiet p50 | two processes vs one server | python -m bench --models
 infinity_http.py     sentences/s, p50 over /v1/embeddings (+ gRPC) | infinity-emb (peer) | python -m bench.infinity_http
 rerank_bench.py      rerank pairs/s, p50 | infinity-emb /rerank, CrossEncoder in process | python -m bench.rerank_bench
@@ -45,5 +47,6 @@ Targets and peers, by issue (the figures and verdicts: docs/performance.md):
   29      rerank_bench.py: >= 1.5x infinity-emb's fastest engine, >= 2x CrossEncoder in process
   32      big_model.py: server RSS <= 1.3x the weights, tokens/s >= 1.5x sentence-transformers at 8 x 256
   40      Triton's native backend on a 1-layer 32-wide export (compare.sh --export-dir): req/s >= 1.0x, lone p50
-          <= 1.2x; the default model no worse than before; gpu_request_path.py: the server >= 0.7x in process
+          <= 1.2x; the default model no worse than before; gpu_request_path.py: the server >= 0.7x in process;
+          engine_cost.py: what bounds that on a GPU host, without one
 """

@@ -112,7 +112,10 @@ def measure(export_dir: str, front_ends: int, outstanding: int, rows: int, lengt
     try:
         for worker in workers:
             worker.start()
+        waiting = time.monotonic() + 120
         while DeviceLikeBackend.runs == 0:  # the front ends' imports take a while: time from their first request
+            if time.monotonic() > waiting or not any(worker.is_alive() for worker in workers):
+                raise RuntimeError("no front end sent a request within 120 s")
             time.sleep(0.05)
         time.sleep(warm)
         pid = os.getpid()

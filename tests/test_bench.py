@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from bench import engine_cost
 from bench.__main__ import main
 from bench.server_bench import split_cpu
 
@@ -50,3 +51,13 @@ def test_server_cpu_splits_into_the_busiest_startup_threads_as_model_and_the_res
     front, model = split_cpu(before, after, startup=frozenset({1, 2, 3, 4}), model_threads=2)
     assert model == pytest.approx(2.0 + 1.5)  # threads 2 and 3
     assert front == pytest.approx(0.1 + 0.1 + 0.7)  # 1, 4 and the new thread 9
+
+
+def test_the_engine_cost_bench_runs_the_real_engine_and_answers_every_request(serve_export_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    assert engine_cost.main(["--export-dir", str(serve_export_dir), "--front-ends", "1", "--outstanding", "4",
+                             "--rounds", "1", "--seconds", "1", "--run-ms", "0.2", "--out", str(out)]) == 0
+    (measured,) = json.loads(out.read_text())["rounds"]
+    assert measured["requests_per_s"] > 0 and measured["failed"] == 0
+    assert 1 <= measured["rows_per_run"] <= 4  # at most the requests in flight
+    assert {"engine-service", "engine-outbox", "batcher-0"} <= set(measured["by_thread_us"])
