@@ -35,10 +35,11 @@ class NullBackend:
     def health(self) -> None:
         pass
 
-    def encode(self, batch, path: str = DENSE, *, wide: bool = False):
+    def encode(self, batch, path: str = DENSE, *, wide: bool = False, hidden: bool = True):
         first = batch.get("input_ids", batch.get("inputs_embeds"))
         n, t = first.shape[:2]
-        return np.zeros((n, t, self.d_model), np.float32), np.zeros((n, self.d_model), np.float32)
+        states = np.zeros((n, t, self.d_model), np.float32) if hidden else None
+        return states, np.zeros((n, self.d_model), np.float32)
 
 
 def _v2_grpc_bytes(ids: np.ndarray, model: str) -> bytes:

@@ -76,7 +76,8 @@ def make_export(workdir: Path, shape: dict, device: str) -> Path:
 
 class InProcess:
     """ONNX Runtime alone on the served graph, the backend built once: tokens/s at (rows, length), run back to
-    back, each shape measured once."""
+    back, each shape measured once. Only the pooled output is fetched, as the server's runs for embeddings do
+    (hidden states stay on the device)."""
 
     def __init__(self, export: Path, device: str) -> None:
         from serve.backend.export_dir import load_export
@@ -92,10 +93,10 @@ class InProcess:
 
             batch = dummy_batch(self.backend.export.config, rows, length)
             for _ in range(5):
-                self.backend.encode(batch)
+                self.backend.encode(batch, hidden=False)
             runs, started = 0, time.perf_counter()
             while time.perf_counter() - started < seconds:
-                self.backend.encode(batch)
+                self.backend.encode(batch, hidden=False)
                 runs += 1
             self.measured[rows, length] = runs * rows * length / (time.perf_counter() - started)
         return self.measured[rows, length]

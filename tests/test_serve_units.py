@@ -20,7 +20,7 @@ from serve import errors
 from serve.protocols import status
 from serve.protocols import proto_stamp
 from tools import protogen
-from serve.backend.session import BackendInfo
+from serve.backend.session import BackendInfo, OnnxRuntimeBackend, dummy_batch
 from serve.core.batch_plan import RunCost
 from serve.core.batcher import Batcher
 from serve.config import ServerConfig, load_config
@@ -253,18 +253,20 @@ class FakeBackend:
         self.release.set()
         self.entered = threading.Event()  # set once the worker is inside encode (a batch is running)
         self.batches: list[int] = []
+        self.fetched_hidden: list[bool] = []  # per run: whether the runner asked for the hidden states
 
     def health(self) -> None:
         pass
 
-    def encode(self, batch):
+    def encode(self, batch, path="dense", *, wide=False, hidden=True):
         self.entered.set()
         self.release.wait(10)
         ids = batch["input_ids"].astype(np.float32)
         self.batches.append(ids.shape[0])
-        hidden = np.repeat(ids[:, :, None], CONFIG.d_model, axis=2)
+        self.fetched_hidden.append(hidden)
+        states = np.repeat(ids[:, :, None], CONFIG.d_model, axis=2)
         mask = batch["attention_mask"][:, :, None]
-        return hidden, (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1)
+        return (states if hidden else None), (states * mask).sum(1) / np.maximum(mask.sum(1), 1)
 
 
 def _submit(batcher, ids, deadline=None):
@@ -296,12 +298,44 @@ def test_a_request_that_ran_as_one_piece_is_answered_with_views_of_the_runs_outp
     backend = FakeBackend()
     outputs = []
     encode = backend.encode
-    backend.encode = lambda batch: outputs.append(encode(batch)) or outputs[-1]
+    backend.encode = lambda batch, **options: outputs.append(encode(batch, **options)) or outputs[-1]
     batcher = _batcher(backend)
     result = _submit(batcher, [1, 2, 3]).wait(5)
     assert np.shares_memory(result.hidden_states, outputs[0][0])
     assert np.shares_memory(result.embeddings, outputs[0][1])
     batcher.stop(5)
+
+
+def test_a_run_fetches_hidden_states_only_when_a_caller_reads_them():
+    backend = FakeBackend()
+    batcher = _batcher(backend, max_queue_delay_s=0.0)
+    pooled_only = Work((np.int64([1, 2, 3]),), pooling="mean")
+    first_token = Work((np.int64([4, 5]),), pooling="first")  # read off the hidden states
+    for request in (pooled_only, first_token):
+        batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32)), None).wait(5)
+    assert _submit(batcher, [6, 7]).wait(5).outputs[0].hidden_states is not None
+    assert backend.fetched_hidden == [False, True, True]
+    backend.release.clear()  # a batch of both kinds: the run fetches them, the pooled-only request gets none
+    backend.entered.clear()
+    blocker = batcher.submit(pooled_only, to_rows(pooled_only, CONFIG, Limits(4, 32)), None)
+    assert backend.entered.wait(5)
+    mixed = [batcher.submit(r, to_rows(r, CONFIG, Limits(4, 32)), None) for r in (pooled_only, first_token)]
+    backend.release.set()
+    blocker.wait(5)
+    plain, first = (t.wait(5) for t in mixed)
+    assert backend.fetched_hidden[-1] is True and plain.batch_size == 2
+    assert plain.hidden_states is None and plain.embeddings[0][0] == pytest.approx(2.0)  # mean of 1, 2, 3
+    assert first.embeddings[0][0] == pytest.approx(4.0)
+    batcher.stop(5)
+
+
+def test_the_onnx_backend_fetches_only_the_row_output_when_asked(serve_export_dir):
+    backend = OnnxRuntimeBackend(load_export(serve_export_dir))
+    feeds = dummy_batch(backend.export.config, 2, 5)
+    states, pooled = backend.encode(feeds)
+    nothing, alone = backend.encode(feeds, hidden=False)
+    assert states is not None and nothing is None
+    np.testing.assert_array_equal(alone, pooled)
 
 
 def _answered_on(ticket) -> list[str]:
@@ -470,14 +504,14 @@ class CountingBackend(FakeBackend):
         self.both_inside = threading.Event()
         self._lock = threading.Lock()
 
-    def encode(self, batch):
+    def encode(self, batch, *args, **options):
         with self._lock:
             self.inside += 1
             self.most_inside = max(self.most_inside, self.inside)
             if self.inside == 2:
                 self.both_inside.set()
         try:
-            return super().encode(batch)
+            return super().encode(batch, *args, **options)
         finally:
             with self._lock:
                 self.inside -= 1
@@ -509,9 +543,9 @@ class WideBackend(CountingBackend):
         super().__init__()
         self.wide_calls: list[bool] = []
 
-    def encode(self, batch, path="dense", *, wide=False):
+    def encode(self, batch, path="dense", *, wide=False, **options):
         self.wide_calls.append(wide)
-        return super().encode(batch)
+        return super().encode(batch, path, **options)
 
 
 def test_a_batch_that_runs_alone_gets_every_cpu_and_one_beside_another_gets_its_share():
@@ -591,12 +625,12 @@ class ShapeRecordingBackend(FakeBackend):
         self.shapes: list[tuple[int, int]] = []
         self.gate, self.open = gate, threading.Event()
 
-    def encode(self, batch):
+    def encode(self, batch, *args, **options):
         rows, length = batch["input_ids"].shape
         self.shapes.append((rows, length))
         if length > self.gate:
             self.open.wait(10)
-        return super().encode(batch)
+        return super().encode(batch, *args, **options)
 
 
 def _submit_many(batcher, sequences):
@@ -652,14 +686,25 @@ def test_a_request_whose_rows_fall_in_different_runs_gets_every_row_in_its_own_o
     batcher.stop(5)
 
 
+def test_a_request_split_over_runs_that_fetched_no_hidden_states_gets_each_rows_embedding_in_order():
+    backend = ShapeRecordingBackend()
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0))
+    request = Work((np.int64(range(1, 31)), np.int64([7, 8])), pooling="mean")
+    result = batcher.submit(request, to_rows(request, CONFIG, Limits(4, 32))).wait(5)
+    assert backend.shapes == [(1, 2), (1, 30)] and backend.fetched_hidden == [False, False]
+    assert result.hidden_states is None
+    np.testing.assert_allclose(result.embeddings[:, 0], [15.5, 7.5])  # each row's mean, in the request's order
+    batcher.stop(5)
+
+
 class PoisonBackend(ShapeRecordingBackend):
     """Fails any run that holds token 13."""
 
-    def encode(self, batch):
+    def encode(self, batch, *args, **options):
         if (batch["input_ids"] == 13).any():
             self.shapes.append(batch["input_ids"].shape)
             raise RuntimeError("poisoned run")
-        return super().encode(batch)
+        return super().encode(batch, *args, **options)
 
 
 def test_a_failing_run_of_a_split_batch_fails_only_the_request_that_poisons_it():

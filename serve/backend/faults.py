@@ -56,7 +56,7 @@ class FaultInjectingBackend:
     def warm_up(self, *args, **kwargs) -> float:
         return self.inner.warm_up(*args, **kwargs) if hasattr(self.inner, "warm_up") else 0.0
 
-    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE, **options) -> tuple[np.ndarray | None, np.ndarray]:
         ids = batch.get("input_ids")
         if self.poison_token is not None and ids is not None:
             real = ids[np.asarray(batch["attention_mask"], bool)]
@@ -65,4 +65,4 @@ class FaultInjectingBackend:
                     f"inference failed: injected fault (fault_inject={self.spec}): the batch held "
                     f"token id {self.poison_token}"
                 )
-        return self.inner.encode(batch, path)
+        return self.inner.encode(batch, path, **options)

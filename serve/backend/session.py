@@ -55,7 +55,10 @@ class Backend(Protocol):
 
     def health(self) -> None: ...  # raises BackendError when it cannot serve
 
-    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE) -> tuple[np.ndarray, np.ndarray]: ...
+    # (hidden states [B, T, D], the graph's per-row output [B, K]); hidden=False: (None, per-row output), the
+    # hidden states not fetched (on a GPU: not copied back to the host)
+    def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE, *,
+               hidden: bool = True) -> tuple[np.ndarray | None, np.ndarray]: ...
 
 
 def can_load(library: str) -> bool:
@@ -199,14 +202,17 @@ class OnnxRuntimeBackend:
         return self.wide is not None
 
     def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE, *,
-               wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """`wide`: run on every CPU (the batch runs alone), where there is a wide session."""
+               wide: bool = False, hidden: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        """`wide`: run on every CPU (the batch runs alone), where there is a wide session. `hidden` False: only
+        the per-row output is fetched (no caller of the run asked for hidden states), (None, it)."""
         session = self.wide if wide and path == DENSE and self.wide is not None else self.sessions[path]
         try:
-            hidden, pooled = session.run(list(self.outputs), dict(batch))
+            if not hidden:
+                return None, session.run([self.outputs[1]], dict(batch))[0]
+            states, pooled = session.run(list(self.outputs), dict(batch))
         except Exception as error:
             raise BackendError(f"inference failed: {type(error).__name__}: {error}") from error
-        return hidden, pooled
+        return states, pooled
 
     def warm_up(self, lengths: tuple[int, ...] = (1, 8, 64)) -> float:
         """Runs a few shapes on the dense graph (every mask kind it computes) so the first request does not

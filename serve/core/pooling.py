@@ -83,7 +83,7 @@ def resolve_pooling(asked: str, default: str, *, embedding: bool = False) -> str
     return asked
 
 
-def request_outputs(request, hidden: np.ndarray, row_outputs: np.ndarray, lengths: np.ndarray,
+def request_outputs(request, hidden: np.ndarray | None, row_outputs: np.ndarray, lengths: np.ndarray,
                     dense: tuple[Dense, ...] = ()) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """A request's (hidden states, embeddings, scores) from its rows' hidden [n, T, D] (zeros past each
     row's length) and the graph's per-row output [n, K]: the mean [n, D] of a model without a head,

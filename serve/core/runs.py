@@ -56,18 +56,19 @@ class BatchRunner:
             pieces_rows = [(t.rows, i) for t, i in pieces]
             lengths, tokens = run_lengths(pieces_rows)
             feeds = pad_batch(pieces_rows, length, self.config, path, lengths)
+            # hidden states only where a caller of the run reads them (on a GPU, [rows, T, D] copied back per run)
+            wants_hidden = any(t.request.hidden_states or t.request.pooling in FROM_HIDDEN for t, _ in pieces)
             started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
-                hidden, pooled = self.backend.encode(feeds, path)
+                hidden, pooled = self.backend.encode(feeds, path, hidden=wants_hidden)
             elif wide and self.has_wide:
-                hidden, pooled = self.backend.encode(feeds, wide=True)
+                hidden, pooled = self.backend.encode(feeds, wide=True, hidden=wants_hidden)
             else:
-                hidden, pooled = self.backend.encode(feeds)
+                hidden, pooled = self.backend.encode(feeds, hidden=wants_hidden)
             inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
             rows = len(lengths)
             self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
                           padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)
-            wants_hidden = any(t.request.hidden_states or t.request.pooling in FROM_HIDDEN for t, _ in pieces)
             if wants_hidden and tokens < rows * length:
                 hidden[np.arange(length) >= lengths[:, None]] = 0  # answered zeros past each row's length
             # the run's answers are finite (else: each row is checked); hidden states only where answered
@@ -174,7 +175,7 @@ class _Progress:
         """Admitted -> the start of its first run."""
         return self.first_start - self.ticket.enqueued
 
-    def add(self, index: np.ndarray | None, hidden: np.ndarray, pooled: np.ndarray, at: int, count: int, *,
+    def add(self, index: np.ndarray | None, hidden: np.ndarray | None, pooled: np.ndarray, at: int, count: int, *,
             run: int, started: float, inference_s: float, batch_size: int, batch_length: int,
             path: str = DENSE, finite: bool = False) -> None:
         """Takes the rows `index` (None: all) of this ticket, rows at..at+count of the run's outputs;
@@ -212,22 +213,25 @@ class _Progress:
                 return
         self.pieces.append((index, hidden, pooled, at))
 
-    def _gathered(self) -> tuple[np.ndarray, np.ndarray]:
-        """The ticket's rows of hidden states [n, T, D] and pooled [n, D]: views of the run's outputs
-        when all its rows ran as one piece, else gathered from its pieces."""
-        rows = self.ticket.rows
+    def _gathered(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """The ticket's rows of hidden states [n, T, D] (None: it reads none, and its runs may not have fetched
+        them) and pooled [n, D]: views of the run's outputs when all its rows ran as one piece, else gathered
+        from its pieces."""
+        request, rows = self.ticket.request, self.ticket.rows
+        wants = request.hidden_states or request.pooling in FROM_HIDDEN
         n, longest = len(rows), rows.longest
         if len(self.pieces) == 1 and self.pieces[0][0] is None:
             _, hidden, pooled, at = self.pieces[0]
-            return hidden[at:at + n, :longest], pooled[at:at + n]
+            return (hidden[at:at + n, :longest] if wants else None), pooled[at:at + n]
         first_hidden, first_pooled = self.pieces[0][1], self.pieces[0][2]
-        hidden = np.zeros((n, longest, first_hidden.shape[-1]), first_hidden.dtype)
+        hidden = np.zeros((n, longest, first_hidden.shape[-1]), first_hidden.dtype) if wants else None
         pooled = np.empty((n, first_pooled.shape[-1]), first_pooled.dtype)
         for index, run_hidden, run_pooled, at in self.pieces:
             count = n if index is None else len(index)
-            width = min(longest, run_hidden.shape[1])
             target = slice(None) if index is None else index
-            hidden[target, :width] = run_hidden[at:at + count, :width]
+            if hidden is not None:
+                width = min(longest, run_hidden.shape[1])
+                hidden[target, :width] = run_hidden[at:at + count, :width]
             pooled[target] = run_pooled[at:at + count]
         return hidden, pooled
 
