@@ -24,7 +24,6 @@ its own (serve/core/metrics.py).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import shutil
@@ -45,6 +44,7 @@ from serve.assembly.repository import ModelRepository
 from serve.config import ServerConfig, config_environment
 from serve.core import ipc
 from serve.core.admission import Admission, Held
+from serve.core.bursts import BurstQueue
 from serve.core.metrics import ENGINE, Metrics
 from serve.core.remote import model_spec
 from serve.errors import ServeError, Unavailable
@@ -72,10 +72,8 @@ class EngineService:
                                                 initializer=logs.name_thread, initargs=("engine-call",))
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-service", daemon=True)
-        # (front end, call id, ticket) of each answer not yet sent; the outbox thread takes them all at once
-        self._finished: collections.deque = collections.deque()
-        self._outbox_wake = threading.Condition()
-        self._outbox = threading.Thread(target=self._send_finished, name="engine-outbox", daemon=True)
+        # (front end, call id, ticket) of each answer not yet sent, sent in bursts
+        self._outbox = BurstQueue("engine-outbox", self._send_finished)
 
     def start(self) -> None:
         self._thread.start()
@@ -97,9 +95,7 @@ class EngineService:
     def stop(self) -> None:
         self._stopping = True
         self._thread.join(timeout=5)
-        with self._outbox_wake:
-            self._outbox_wake.notify()
-        self._outbox.join(timeout=5)
+        self._outbox.stop()  # what is left is sent first
         self._pool.shutdown(wait=False, cancel_futures=True)
         for sender in self._to:
             sender.close()
@@ -139,38 +135,27 @@ class EngineService:
         def done(ticket) -> None:  # on the thread that finished it (a batcher's): only hand it to the outbox
             self._tickets.pop(key, None)
             held.end()
-            with self._outbox_wake:
-                self._finished.append((front_end, call_id, ticket))
-                self._outbox_wake.notify()
+            self._outbox.put((front_end, call_id, ticket))
 
         ticket.add_done_callback(done)
 
-    def _send_finished(self) -> None:
-        """The outbox: every answer finished since the last pass, one message per front end. While it writes
-        one burst the next gathers, so under load a run's answers leave together; a lone answer leaves alone,
-        at once. It sends what is left when stopping."""
-        logs.name_thread("engine-outbox")
-        while True:
-            with self._outbox_wake:
-                while not self._finished and not self._stopping:
-                    self._outbox_wake.wait()
-                if not self._finished:
-                    return
-                finished, self._finished = self._finished, collections.deque()
-            by_front_end: dict[int, list] = {}
-            for front_end, call_id, ticket in finished:
-                try:
-                    outcome = ticket.outcome()
-                except BaseException as error:  # its error is its answer
-                    outcome = error
-                by_front_end.setdefault(front_end, []).append((call_id, outcome))
-            for front_end, outcomes in by_front_end.items():
-                try:
-                    frames = ipc.results_frames(outcomes)
-                except Exception as error:  # never leave a caller waiting: each gets the error
-                    logs.event(log, "answers_unsendable", logging.ERROR, error=repr(error), calls=len(outcomes))
-                    frames = ipc.results_frames([(call_id, error) for call_id, _ in outcomes])
-                self._send(front_end, frames)
+    def _send_finished(self, finished: list) -> None:
+        """The outbox's pass (serve/core/bursts.py): every answer finished since the last, one message per front
+        end; under load a run's answers leave together."""
+        by_front_end: dict[int, list] = {}
+        for front_end, call_id, ticket in finished:
+            try:
+                outcome = ticket.outcome()
+            except BaseException as error:  # its error is its answer
+                outcome = error
+            by_front_end.setdefault(front_end, []).append((call_id, outcome))
+        for front_end, outcomes in by_front_end.items():
+            try:
+                frames = ipc.results_frames(outcomes)
+            except Exception as error:  # never leave a caller waiting: each gets the error
+                logs.event(log, "answers_unsendable", logging.ERROR, error=repr(error), calls=len(outcomes))
+                frames = ipc.results_frames([(call_id, error) for call_id, _ in outcomes])
+            self._send(front_end, frames)
 
     def _call(self, header: dict) -> None:
         reply = {"k": "reply", "id": header["id"]}

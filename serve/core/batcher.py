@@ -36,6 +36,7 @@ from serve import logs
 from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost
+from serve.core.bursts import BurstQueue
 from serve.core.scheduler import Scheduler
 from serve.backend.feeds import Rows
 from serve.core.requests import EncodeResult, Work
@@ -154,9 +155,9 @@ class Batcher:
         self._queued_rows = 0
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        # the runs' completed tickets (_Progress lists) the finisher thread has still to answer (module docstring)
-        self._unanswered: collections.deque[list] = collections.deque()
-        self._finisher_wake = threading.Condition(lock)
+        # the runs' completed tickets (_Progress lists) the finisher thread answers (module docstring); each pass
+        # handled tells a drain, which waits on `_cond`
+        self._finisher = BurstQueue("batcher-finish", self._answer, lock, handled=self._cond.notify_all)
         self._closed = False
         self._stopping = False
         self._running: dict[int, list[Ticket]] = {}  # worker -> the batch it runs
@@ -164,12 +165,12 @@ class Batcher:
         # one worker per batch that may run at once (ServerConfig.instances), all on the one backend
         self._threads = [threading.Thread(target=self._run, args=(worker,), name=f"batcher-{worker}", daemon=True)
                          for worker in range(max(1, instances))]
-        self._threads.append(threading.Thread(target=self._finisher, name="batcher-finish", daemon=True))
 
     # -- admission ---------------------------------------------------------------------------
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
+        self._finisher.start()
 
     def submit(self, request: Work, rows: Rows, deadline: float | None = None) -> Ticket:
         ticket = Ticket(request, rows, deadline)
@@ -222,7 +223,7 @@ class Batcher:
         """Waits until the queue is empty and no batch runs; True when drained in time."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._running or self._unanswered:
+            while self._queue or self._running or self._finisher.unhandled():
                 remaining = None if end is None else end - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -234,7 +235,7 @@ class Batcher:
         the running batch's results, if they come, are dropped. Returns how many were abandoned."""
         with self._cond:
             tickets = [*self._queue, *(t for batch in self._running.values() for t in batch),
-                       *(progress.ticket for done in self._unanswered for progress in done)]
+                       *(progress.ticket for done in self._finisher.unhandled() for progress in done)]
             self._queue.clear()
             self._queued_rows = 0
             self._cond.notify_all()
@@ -249,12 +250,12 @@ class Batcher:
                 ticket._finish(error=Unavailable("server stopped before the request ran"))
             self._queue.clear()
             self._cond.notify_all()
-            self._finisher_wake.notify()
         self.scheduler.wake()  # a worker waiting for a run slot gives up
         self.scheduler.forget(self)
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout)
+        self._finisher.stop(5.0 if timeout is None else timeout)  # what a drain left is answered first
 
     # -- the worker --------------------------------------------------------------------------
     def _take(self, worker: int) -> list[Ticket] | None:
@@ -341,29 +342,15 @@ class Batcher:
     def _answer_run(self, done: list) -> None:
         """Answers a run's completed tickets: here when nothing is queued, else on the finisher thread (module
         docstring)."""
-        with self._cond:
-            if self._queue and not self._stopping:
-                self._unanswered.append(done)
-                self._finisher_wake.notify()
-                return
-        self.runner.finish(done)
+        if self._queue and not self._stopping:
+            self._finisher.put(done)
+        else:
+            self.runner.finish(done)
 
-    def _finisher(self) -> None:
-        """The finisher thread: answers what `_answer_run` left it, in order; then tells a drain."""
-        logs.name_thread("batcher-finish")
-        while True:
-            with self._cond:
-                while not self._unanswered and not self._stopping:
-                    self._finisher_wake.wait()
-                if not self._unanswered:
-                    return
-                done = self._unanswered[0]
-            try:
-                self.runner.finish(done)
-            finally:
-                with self._cond:
-                    self._unanswered.popleft()
-                    self._cond.notify_all()  # a drain waits for these too
+    def _answer(self, runs: list) -> None:
+        """The finisher's pass: each run's completed tickets, in order."""
+        for done in runs:
+            self.runner.finish(done)
 
     def _isolate(self, batch: list[Ticket], error: BaseException, worker: int = 0) -> None:
         """After a failed batch, runs each request alone: only the one that fails gets the error."""

@@ -28,6 +28,7 @@ from serve.config import ServerConfig
 from serve.core import ipc
 from serve.core.attention_budget import AttentionBudget
 from serve.core.batcher import Ticket
+from serve.core.bursts import BurstQueue
 from serve.core.engine import Engine
 from serve.core.requests import Work
 from serve.errors import ServeError, Unavailable, by_name
@@ -62,10 +63,8 @@ class EngineLink:
         self._handlers: dict[str, Callable[[dict], None]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._receive, name="engine-link", daemon=True)
-        # work and cancels not sent yet: (ticket, model) or (None, call id); the sender takes them all at once
-        self._outgoing: list[tuple[RemoteTicket | None, str | int]] = []
-        self._outgoing_wake = threading.Condition()
-        self._sender = threading.Thread(target=self._send_outgoing, name="engine-send", daemon=True)
+        # work and cancels not sent yet, (ticket, model) or (None, call id), sent in bursts
+        self._sender = BurstQueue("engine-send", self._send_outgoing)
 
     def start(self) -> None:
         self._thread.start()
@@ -80,42 +79,28 @@ class EngineLink:
         """Queues the ticket's rows for the sender thread (its answer finishes the ticket)."""
         ticket.link, ticket.call_id = self, next(self._ids)
         self._pending[ticket.call_id] = ticket
-        self._queue((ticket, model))
+        self._sender.put((ticket, model))
 
     def cancel(self, call_id: int) -> None:
-        self._queue((None, call_id))  # behind its work, if that is not sent yet
+        self._sender.put((None, call_id))  # behind its work, if that is not sent yet
 
-    def _queue(self, entry: tuple) -> None:
-        with self._outgoing_wake:
-            self._outgoing.append(entry)
-            if len(self._outgoing) == 1:  # else the sender was woken already and has not taken them yet
-                self._outgoing_wake.notify()
-
-    def _send_outgoing(self) -> None:
-        """The sender: every request queued since its last pass in one message, then the cancels. While it sends,
-        the next ones gather, so a pump's burst of calls leaves together; a lone call leaves alone, at once."""
-        logs.name_thread("engine-send")
-        while True:
-            with self._outgoing_wake:
-                while not self._outgoing and not self._stopping:
-                    self._outgoing_wake.wait()
-                if not self._outgoing:
-                    return
-                outgoing, self._outgoing = self._outgoing, []
-            works = [(ticket, model) for ticket, model in outgoing if ticket is not None and not ticket.done()]
-            cancels = [call_id for ticket, call_id in outgoing if ticket is None]
-            try:
-                if works:
-                    self._out.send(ipc.work_frames(self.index, [
-                        (ticket.call_id, model, ticket.request, ticket.rows, ticket.deadline) for ticket, model in works]))
-                if cancels:
-                    self._out.send_json({"k": "cancel", "fe": self.index, "ids": cancels})
-            except Exception as error:  # never leave a caller waiting: each of these gets the error
-                logs.event(log, "work_unsendable", logging.ERROR, error=repr(error), calls=len(works))
-                for ticket, _ in works:
-                    if self._pending.pop(ticket.call_id, None) is not None:
-                        ticket._finish(error=ServeError(f"the request could not be sent to the engine process: "
-                                                        f"{type(error).__name__}: {error}"))
+    def _send_outgoing(self, outgoing: list) -> None:
+        """The sender's pass (serve/core/bursts.py): every request queued since the last in one message, then
+        the cancels; a pump's burst of calls leaves together."""
+        works = [(ticket, model) for ticket, model in outgoing if ticket is not None and not ticket.done()]
+        cancels = [call_id for ticket, call_id in outgoing if ticket is None]
+        try:
+            if works:
+                self._out.send(ipc.work_frames(self.index, [
+                    (ticket.call_id, model, ticket.request, ticket.rows, ticket.deadline) for ticket, model in works]))
+            if cancels:
+                self._out.send_json({"k": "cancel", "fe": self.index, "ids": cancels})
+        except Exception as error:  # never leave a caller waiting: each of these gets the error
+            logs.event(log, "work_unsendable", logging.ERROR, error=repr(error), calls=len(works))
+            for ticket, _ in works:
+                if self._pending.pop(ticket.call_id, None) is not None:
+                    ticket._finish(error=ServeError(f"the request could not be sent to the engine process: "
+                                                    f"{type(error).__name__}: {error}"))
 
     def tell(self, kind: str, **fields) -> None:
         """A message the engine needs no reply to (hello, listening)."""
@@ -149,9 +134,7 @@ class EngineLink:
 
     def stop(self) -> None:
         self._stopping = True
-        with self._outgoing_wake:
-            self._outgoing_wake.notify()
-        self._sender.join(timeout=5)
+        self._sender.stop()
         self._thread.join(timeout=5)
         self._out.close()
         self._in.close(linger=0)
