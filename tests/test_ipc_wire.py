@@ -4,6 +4,7 @@ that use it end to end are in tests/test_front_ends.py."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import numpy as np
@@ -132,54 +133,50 @@ def test_a_burst_of_requests_reads_back_each_calls_own_rows_and_settings():
                 np.testing.assert_array_equal(have, want)
 
 
-def _engine_socket(folder: str):
-    """A PULL socket where the engine's would be: what a front end's link sends, as the engine reads it."""
-    context = zmq.Context.instance()
-    return ipc.receiver(context, ipc.address(folder, ipc.ENGINE_SOCKET))
+@contextlib.contextmanager
+def _link(index: int):
+    """A front end's link, not started, and a PULL socket where the engine's would be (what the link sends, as the
+    engine reads it)."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine = ipc.receiver(zmq.Context.instance(), ipc.address(folder, ipc.ENGINE_SOCKET))
+        link = EngineLink(folder, index)
+        try:
+            yield link, engine
+        finally:
+            link.stop()
+            engine.close(linger=0)
 
 
 def test_requests_queued_together_leave_as_one_message_with_the_cancels_after():
     rng = np.random.default_rng(5)
-    with tempfile.TemporaryDirectory() as folder:
-        engine = _engine_socket(folder)
-        link = EngineLink(folder, 3)
-        try:
-            tickets = [RemoteTicket(*_plain(rng, 1, 4), None) for _ in range(3)]
-            for ticket in tickets:  # before the sender starts: all three wait for it
-                link.send_work(ticket, "m")
-            tickets[1].cancel()
-            link.start()
-            header, body = ipc.receive(engine, 10.0)
-            assert header["k"] == "work" and header["fe"] == 3
-            assert [item["id"] for item in header["items"]] == [t.call_id for t in tickets]
-            np.testing.assert_array_equal(ipc.read_work(header["items"][2], body)[1].block, tickets[2].rows.block)
-            cancel, _ = ipc.receive(engine, 10.0)
-            assert cancel == {"k": "cancel", "fe": 3, "ids": [tickets[1].call_id]}
-        finally:
-            link.stop()
-            engine.close(linger=0)
+    with _link(3) as (link, engine):
+        tickets = [RemoteTicket(*_plain(rng, 1, 4), None) for _ in range(3)]
+        for ticket in tickets:  # before the sender starts: all three wait for it
+            link.send_work(ticket, "m")
+        tickets[1].cancel()
+        link.start()
+        header, body = ipc.receive(engine, 10.0)
+        assert header["k"] == "work" and header["fe"] == 3
+        assert [item["id"] for item in header["items"]] == [t.call_id for t in tickets]
+        np.testing.assert_array_equal(ipc.read_work(header["items"][2], body)[1].block, tickets[2].rows.block)
+        cancel, _ = ipc.receive(engine, 10.0)
+        assert cancel == {"k": "cancel", "fe": 3, "ids": [tickets[1].call_id]}
 
 
 def test_a_burst_the_wire_cannot_carry_fails_each_of_its_calls_and_nothing_waits():
     rng = np.random.default_rng(6)
-    with tempfile.TemporaryDirectory() as folder:
-        engine = _engine_socket(folder)
-        link = EngineLink(folder, 0)
-        try:
-            good = RemoteTicket(*_plain(rng, 1, 4), None)
-            work, rows = _plain(rng, 1, 4)
-            bad = RemoteTicket(work, Rows(np.array([[object()]]), rows.lengths), None)  # pointers, not values
-            link.send_work(good, "m")
-            link.send_work(bad, "m")
-            link.start()
-            for ticket in (good, bad):
-                try:
-                    ticket.wait(10.0)
-                except ServeError as error:
-                    assert "could not be sent to the engine process" in error.message
-                else:
-                    raise AssertionError("a call of an unsendable burst was answered")
-            assert link.in_flight() == 0
-        finally:
-            link.stop()
-            engine.close(linger=0)
+    with _link(0) as (link, _):
+        good = RemoteTicket(*_plain(rng, 1, 4), None)
+        work, rows = _plain(rng, 1, 4)
+        bad = RemoteTicket(work, Rows(np.array([[object()]]), rows.lengths), None)  # pointers, not values
+        link.send_work(good, "m")
+        link.send_work(bad, "m")
+        link.start()
+        for ticket in (good, bad):
+            try:
+                ticket.wait(10.0)
+            except ServeError as error:
+                assert "could not be sent to the engine process" in error.message
+            else:
+                raise AssertionError("a call of an unsendable burst was answered")
+        assert link.in_flight() == 0
