@@ -50,9 +50,9 @@ class DeviceLikeBackend(NullBackend):
         return super().encode(batch, *args, **kwargs)
 
 
-def _front_end(folder: str, index: int, outstanding: int, rows: int, length: int, seconds: float, out) -> None:
-    """One front end's link keeping `outstanding` requests in flight until `seconds` have passed; sends how many
-    were answered, and how many failed."""
+def _front_end(folder: str, index: int, outstanding: int, rows: int, length: int, stop, out) -> None:
+    """One front end's link keeping `outstanding` requests in flight until `stop` is set; sends how many were
+    answered, and how many failed."""
     from serve.backend.feeds import Rows
     from serve.core.remote import EngineLink, RemoteTicket
     from serve.core.requests import MaskChoice, Work
@@ -62,7 +62,6 @@ def _front_end(folder: str, index: int, outstanding: int, rows: int, length: int
     ids = np.random.default_rng(index).integers(5, 100, (rows, length)).astype(np.int64)
     lengths = np.full(rows, length, np.int64)
     answered, failed, lock, done = [0], [0], threading.Lock(), threading.Event()
-    end = time.monotonic() + seconds
 
     def send() -> None:
         ticket = RemoteTicket(Work(ids, MaskChoice(), False, "mean", True, False), Rows(ids, lengths), None)
@@ -75,14 +74,15 @@ def _front_end(folder: str, index: int, outstanding: int, rows: int, length: int
                 answered[0] += 1
             else:
                 failed[0] += 1
-        if time.monotonic() < end:
+        if not stop.is_set():
             send()
         elif link.in_flight() == 0:
             done.set()
 
     for _ in range(outstanding):
         send()
-    done.wait(seconds + 30)
+    stop.wait()
+    done.wait(60)
     out.put((index, answered[0], failed[0]))
     link.stop()
 
@@ -105,9 +105,9 @@ def measure(export_dir: str, front_ends: int, outstanding: int, rows: int, lengt
     service = EngineService(folder, front_ends, admission, {}, {})
     service.start()
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
+    out, stop = context.Queue(), context.Event()
     warm = 1.5
-    workers = [context.Process(target=_front_end, args=(folder, i, outstanding, rows, length, warm + seconds, out))
+    workers = [context.Process(target=_front_end, args=(folder, i, outstanding, rows, length, stop, out))
                for i in range(front_ends)]
     try:
         for worker in workers:
@@ -120,11 +120,13 @@ def measure(export_dir: str, front_ends: int, outstanding: int, rows: int, lengt
         time.sleep(warm)
         pid = os.getpid()
         before, runs0, rows0, started = thread_cpu(pid), DeviceLikeBackend.runs, DeviceLikeBackend.rows, time.monotonic()
-        time.sleep(seconds * 0.8)  # inside every front end's window
+        time.sleep(seconds)
         after, runs1, rows1, wall = thread_cpu(pid), DeviceLikeBackend.runs, DeviceLikeBackend.rows, time.monotonic() - started
         names = {tid: thread_name(pid, tid) for tid in after}  # while they run
-        results = [out.get(timeout=seconds + 60) for _ in workers]
+        stop.set()
+        results = [out.get(timeout=120) for _ in workers]
     finally:
+        stop.set()
         for worker in workers:
             worker.join(timeout=30)
         service.stop()

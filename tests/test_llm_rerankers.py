@@ -333,3 +333,16 @@ def test_rerank_on_the_same_checkpoint_exported_as_an_embedder_is_refused_naming
 def test_predict_on_an_llm_reranker_is_refused_naming_the_rerank_routes(http):
     answer = http.post("/predict", json={"model": "qwen3-reranker", "inputs": [[QUERY, DOCUMENTS[0]]]})
     assert answer.status_code == 400 and "/rerank" in answer.json()["error"], answer.text
+
+
+def test_encode_with_texts_on_an_llm_reranker_is_refused_naming_the_rerank_routes(server):
+    import grpc
+
+    from serve.protocols.pb import pb, pb_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.EncoderServiceStub(channel).Encode(pb.EncodeRequest(model="qwen3-reranker", texts=[QUERY]),
+                                                       timeout=60)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("texts:") and "Rerank" in caught.value.details()

@@ -15,7 +15,7 @@ import numpy as np
 from model.tasks import SCORE_ACTIVATIONS
 from serve.core.requests import EncodeResult, Work
 from serve.core.tasks import Pending
-from serve.core.tasks.inputs import Inputs, TextOptions, pair_rows, template_of, text_rows
+from serve.core.tasks.inputs import Inputs, TextOptions, check_untemplated, pair_rows, text_rows
 from serve.errors import ValidationError, quote
 
 ACTIVATIONS = SCORE_ACTIVATIONS
@@ -54,10 +54,7 @@ class Predictions:
 def submit(engine, task: ClassifyTask, deadline: float | None = None) -> Pending:
     if task.texts and task.pairs:
         raise ValidationError("texts: send either texts or pairs, not both")
-    if template_of(engine) is not None:  # its texts go through its prompt template, which the rerank verb applies
-        raise ValidationError(f"model: {quote(engine.name)} is an LLM reranker (a prompt template over a query and "
-                              "a document); score its pairs with a rerank route (/rerank, /v1/rerank, /v2/rerank, "
-                              "Rerank)")
+    check_untemplated(engine, "model")
     if task.pairs:
         rows = pair_rows(engine, task.pairs, task.text, task.pair_fields)
     else:

@@ -22,7 +22,7 @@ from serve.core import encodings as encoding_rules
 from serve.core.pooling import FROM_HIDDEN, check_dimensions, pool_chunks, resolve_pooling, truncate_dimensions
 from serve.core.requests import EncodeResult, MaskChoice, Work
 from serve.core.tasks import DESCRIBED, Pending, m3, multivector
-from serve.core.tasks.inputs import Inputs, non_empty, present, text_rows
+from serve.core.tasks.inputs import Inputs, check_untemplated, non_empty, present, text_rows
 from serve.errors import ValidationError
 
 
@@ -76,6 +76,8 @@ def submit(engine, task: EncodeTask, deadline: float | None = None, *, embedding
         check_encodings(task, pooling, normalize)
     inputs = task.inputs
     if inputs.texts:
+        if scores:  # its head's output of each text as it is: an LLM reranker's texts need its template
+            check_untemplated(engine, "texts")
         rows = text_rows(engine, inputs, chunk=task.chunk, one_mean=not task.hidden_states and pooling == "mean")
         work = Work(rows.sequences, task.mask, task.hidden_states, pooling, normalize, scores, task.request_id,
                     truncated=rows.truncated, chunks=rows.chunks)

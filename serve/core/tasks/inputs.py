@@ -137,6 +137,15 @@ def template_of(engine) -> dict | None:
     return engine.export.metadata.task.get("template")
 
 
+def check_untemplated(engine, field: str) -> None:
+    """Texts scored by the model's head as they are: refused naming `field` on an LLM reranker, whose texts go
+    through its prompt template, which only the rerank verb applies."""
+    if template_of(engine) is not None:
+        raise ValidationError(f"{field}: model {quote(engine.name)} is an LLM reranker (a prompt template over a "
+                              "query and a document); score its pairs with a rerank route (/rerank, /v1/rerank, "
+                              "/v2/rerank, Rerank)")
+
+
 def templated_rows(engine, query: str, documents: tuple[str, ...], options: TextOptions, instruction: str | None,
                    fields: tuple[str, str] = ("query", "documents[{i}]"), count_field: str = "documents") -> TextRows:
     """An LLM reranker's rows: the query and each document in the export's prompt template (with `instruction`,
