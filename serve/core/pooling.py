@@ -29,6 +29,12 @@ POOLINGS = ("mean", "first", "last", "none")  # what a request's pooling may be 
 # the poolings read off the hidden states (a run returns them for such a request): the first token's, and
 # the last real token's (decoder embedders: Qwen3-Embedding, gte-Qwen2; rows are right-padded here)
 FROM_HIDDEN = ("first", "last")
+
+
+def reads_hidden(request) -> bool:
+    """Whether a request's answer is read off the hidden states (asked for, or first/last-token pooling): a run
+    fetches them only for such requests (serve/core/runs.py)."""
+    return request.hidden_states or request.pooling in FROM_HIDDEN
 NORM_FLOOR = 1e-12  # a zero vector stays zero instead of dividing by zero
 
 

@@ -24,7 +24,7 @@ from serve import logs
 from serve.backend.feeds import Rows, pad_batch, run_lengths
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost, plan_runs
-from serve.core.pooling import FROM_HIDDEN, request_outputs
+from serve.core.pooling import reads_hidden, request_outputs
 from serve.core.requests import EncodeResult
 from serve.errors import ServeError, ValidationError
 
@@ -57,7 +57,7 @@ class BatchRunner:
             lengths, tokens = run_lengths(pieces_rows)
             feeds = pad_batch(pieces_rows, length, self.config, path, lengths)
             # hidden states only where a caller of the run reads them (on a GPU, [rows, T, D] copied back per run)
-            wants_hidden = any(t.request.hidden_states or t.request.pooling in FROM_HIDDEN for t, _ in pieces)
+            wants_hidden = any(reads_hidden(t.request) for t, _ in pieces)
             started, cpu = time.monotonic(), time.thread_time()
             if path != DENSE:
                 hidden, pooled = self.backend.encode(feeds, path, hidden=wants_hidden)
@@ -197,9 +197,8 @@ class _Progress:
         self.batch_size, self.batch_length = batch_size, batch_length
         self.left -= count
         if not finite:
-            wants = self.ticket.request.hidden_states or self.ticket.request.pooling in FROM_HIDDEN
             ok = np.isfinite(pooled[at:at + count]).all(axis=1)
-            if wants:
+            if reads_hidden(self.ticket.request):
                 ok &= np.isfinite(hidden[at:at + count]).all(axis=(1, 2))
             if not ok.all():
                 # finite but extreme raw features can overflow inside the model: never answer NaN
@@ -217,8 +216,7 @@ class _Progress:
         """The ticket's rows of hidden states [n, T, D] (None: it reads none, and its runs may not have fetched
         them) and pooled [n, D]: views of the run's outputs when all its rows ran as one piece, else gathered
         from its pieces."""
-        request, rows = self.ticket.request, self.ticket.rows
-        wants = request.hidden_states or request.pooling in FROM_HIDDEN
+        rows, wants = self.ticket.rows, reads_hidden(self.ticket.request)
         n, longest = len(rows), rows.longest
         if len(self.pieces) == 1 and self.pieces[0][0] is None:
             _, hidden, pooled, at = self.pieces[0]
