@@ -83,6 +83,22 @@ def test_optimized_graph_runs_attention_as_one_fused_op_per_layer(small_config, 
     assert "SkipLayerNormalization" not in ops and ops.count("LayerNormalization") == 2 * small_config.n_layers
 
 
+@pytest.mark.parametrize("activation, fused_op", [("gelu", "BiasGelu"), ("gelu_tanh", "FastGelu")])
+def test_optimized_graph_runs_each_gelu_as_one_op_equal_to_pytorch(small_config, tmp_path, activation, fused_op):
+    """export/optimize.py fuse_gelu: the FFN's GELU (as torch's exporter decomposes it) is one contrib op with its
+    bias, in every layer, and the graph still answers what PyTorch computes on inputs the export never saw."""
+    config = small_config.replace(name="gelu", activation=activation)
+    result = export_model(config, tmp_path, graphs=("optimized",), long_length=24)
+    path = result.directory / GRAPHS["optimized"].file
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count(fused_op) == config.n_layers
+    assert not {"Erf", "Tanh", "Pow"} & set(ops)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = make_feeds(config, [41, 3, 64, 17, 1], list(EVERY_MASK)[:5], seed=321)
+    actual = session.run(["last_hidden_state", "mean_pooled"], feeds)
+    assert compare(actual, _reference(config, feeds), feeds, "max_abs") <= GRAPHS["optimized"].tolerance["limit"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("change, fused", [
     ({"scaling": "temperature", "temperature": 4.0, "norm_placement": "pre", "activation": "gelu"}, True),
