@@ -3,6 +3,7 @@ against PyLate in process (ColBERT.encode of the query and of the documents, the
 issue 43.
 
     python -m bench.colbert_bench [--requests 10] [--layers 12] [--graph optimized|int8|fp32] [--threads 2]
+                                  [--instances 0]
 
 The model: a PyLate ColBERT shaped like answerai-colbert-small-v1 (BERT, hidden 384, 12 heads, `--layers` layers,
 Dense 384 -> 96 without bias, query_length 32, document_length 180), random weights, the packaged MiniLM's
@@ -74,6 +75,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--graph", default="optimized")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--instances", type=int, default=0,
+                        help="the server's --instances (run slots; 0: its default, one). With as many slots as "
+                             "--threads, each slot runs on one CPU and a lone request's runs go at once")
     args = parser.parse_args(argv)
 
     import torch
@@ -97,8 +101,9 @@ def main(argv=None) -> None:
 
     pylate_ms = _timed(pylate, requests)
     # 32 documents and the query are 33 rows of one request, over the default max_sequences_per_request
-    flags = ["--graph", args.graph, "--http-port", "0", "--intra-op-threads", str(args.threads),
-             "--max-sequences-per-request", "33", "--max-batch-size", "33"]
+    flags = ["--graph", args.graph, "--http-port", "0", "--max-sequences-per-request", "33", "--max-batch-size", "33"]
+    # the server's CPUs: --threads in all (with --instances, each slot's share and a wide session on all of them)
+    flags += (["--instances", str(args.instances)] if args.instances else ["--intra-op-threads", str(args.threads)])
     with running_server(work / "colbert", flags) as server:
         conn = http.client.HTTPConnection(LOOPBACK, server.http_port, timeout=600)
         query, documents = requests[0]
@@ -107,7 +112,8 @@ def main(argv=None) -> None:
         want = np.asarray([float(scores.colbert_scores(q, [d])[0, 0])
                            for d in model.encode(documents, is_query=False)])
         server_ms = _timed(lambda query, documents: _rerank(conn, query, documents), requests)
-    summary = {"graph": args.graph, "layers": args.layers, "threads": args.threads, "requests": args.requests,
+    summary = {"graph": args.graph, "layers": args.layers, "threads": args.threads, "instances": args.instances,
+               "requests": args.requests,
                "server_p50_ms": statistics.median(server_ms), "server_mean_ms": statistics.fmean(server_ms),
                "pylate_p50_ms": statistics.median(pylate_ms), "pylate_mean_ms": statistics.fmean(pylate_ms),
                "largest_score_difference": float(np.abs(served - want).max()),

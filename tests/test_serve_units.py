@@ -603,6 +603,8 @@ def test_instances_share_the_cpus_among_their_intra_op_threads(serve_export_dir)
         assert backend.session.get_session_options().intra_op_num_threads == max(1, cpus // instances)
         # a second, wide session (every CPU) for batches that run alone, only where instances split the CPUs
         assert backend.has_wide == (max(1, cpus // instances) < cpus)
+        # a lone batch of several runs runs this many at once on the narrow session (serve/core/runs.py)
+        assert backend.parallel_runs == (cpus // max(1, cpus // instances) if backend.has_wide else 1)
         if backend.has_wide:
             assert backend.wide.get_session_options().intra_op_num_threads == cpus
             ids = np.array([[5, 6, 7]], np.int64)
@@ -716,6 +718,73 @@ def test_a_failing_run_of_a_split_batch_fails_only_the_request_that_poisons_it()
     assert good_long.wait(5).batch_size == 1  # re-run alone after the shared run failed
     with pytest.raises(errors.ServeError, match="poisoned run"):
         bad_long.wait(5)
+    batcher.stop(5)
+
+
+class ParallelRunsBackend(ShapeRecordingBackend):
+    """A backend whose narrow session fills the CPUs two runs at a time (parallel_runs 2, a wide session beside
+    it): records the session each run asked for and how many ran at once. A run waits (bounded) until another
+    is inside too, so runs made one after another show as most_inside 1, never as a hang. Fails any run that
+    holds token `poison`."""
+
+    has_wide = True
+    parallel_runs = 2
+
+    def __init__(self, poison: int | None = None) -> None:
+        super().__init__()
+        self.poison = poison
+        self.wide_calls: list[bool] = []
+        self.inside, self.most_inside = 0, 0
+        self.both_inside = threading.Event()
+        self._lock = threading.Lock()
+
+    def encode(self, batch, path="dense", *, wide=False, **options):
+        with self._lock:
+            self.wide_calls.append(wide)
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            if self.inside == 2:
+                self.both_inside.set()
+        try:
+            self.both_inside.wait(5)
+            if self.poison is not None and (batch["input_ids"] == self.poison).any():
+                raise RuntimeError("poisoned run")
+            return super().encode(batch, path, **options)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+
+def test_a_lone_batch_of_several_runs_runs_them_at_once_on_the_narrow_session():
+    backend = ParallelRunsBackend()
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0), instances=2)
+    result = _submit_many(batcher, [list(range(1, 31)), [7, 8]]).wait(10)
+    assert sorted(backend.shapes) == [(1, 2), (1, 30)]
+    assert backend.most_inside == 2 and backend.wide_calls == [False, False]
+    np.testing.assert_array_equal(result.outputs[0].hidden_states[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(result.outputs[1].hidden_states[:, 0], [7, 8])
+    assert result.token_counts == (30, 2) and (result.batch_size, result.batch_length) == (1, 30)
+    batcher.stop(5)
+
+
+def test_a_lone_batch_of_one_run_takes_the_wide_session():
+    backend = ParallelRunsBackend()
+    backend.both_inside.set()  # one run: nothing to wait for
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0), instances=2)
+    _submit(batcher, [1, 2, 3]).wait(10)
+    assert backend.wide_calls == [True]
+    batcher.stop(5)
+
+
+def test_a_failing_run_among_runs_at_once_fails_only_the_request_that_poisons_it():
+    backend = ParallelRunsBackend(poison=13)
+    batcher = _batcher(backend, run_cost=RunCost.for_config(CONFIG, 8.0), instances=2, max_queue_delay_s=1.0,
+                       max_batch_size=2)  # the two requests form one batch at once
+    short, bad_long = _submit(batcher, [1, 2]), _submit(batcher, [13] * 29)
+    assert short.wait(10).outputs[0].hidden_states[:, 0].tolist() == [1, 2]
+    with pytest.raises(errors.ServeError, match="poisoned run"):
+        bad_long.wait(10)
+    assert backend.most_inside == 2
     batcher.stop(5)
 
 

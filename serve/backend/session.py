@@ -140,6 +140,9 @@ class OnnxRuntimeBackend:
             for key, value in spinning:
                 wide_options.add_session_config_entry(key, value)
             self.wide = self._load(ort, export.graph_path, wide_options, providers, device)
+        # runs of the narrow session at once that fill every CPU: a batch that runs alone and splits into several
+        # runs takes them (serve/core/runs.py); 1 where there is no wide session
+        self.parallel_runs = max(1, cpus // options.intra_op_num_threads) if self.wide is not None else 1
         # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
         # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
         # RSS measured 2.16 GiB with it, 1.40 GiB without; docs/performance.md).

@@ -256,6 +256,7 @@ class Batcher:
             if thread.is_alive():
                 thread.join(timeout)
         self._finisher.stop(5.0 if timeout is None else timeout)  # what a drain left is answered first
+        self.runner.close()
 
     # -- the worker --------------------------------------------------------------------------
     def _take(self, worker: int) -> list[Ticket] | None:

@@ -4,6 +4,13 @@ saves work: serve/core/batch_plan.py), the graph inputs (serve/backend/feeds.py,
 pads), the backend call, and each request's result as its rows complete (serve/core/pooling.py).
 The batcher owns the queue and the workers; this module owns a run.
 
+A batch that runs alone (no other batch running or queued) may take every CPU. Where the server's run slots
+split the CPUs (--instances: each slot's session runs on its share), that is one run on the wide session (every
+CPU), or, when the batch splits into several runs, `parallel_runs` of them at once on the narrow session, each
+on its share: on 2 cores, a ColBERT request's 6 runs (32 documents of 50-170 tokens, 12 layers of 384) took
+0.91x the time as 2 runs of 1 thread at once than one after another on 2 threads (docs/performance.md). Their
+outputs go to the tickets on the batch's own thread, in the order the runs complete.
+
 A run's outputs are one padded array per output; a request that ran as one whole piece of one run
 (the common case: no split) is answered with views of them, others gather their pieces once.
 """
@@ -12,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -31,6 +39,21 @@ from serve.errors import ServeError, ValidationError
 log = logging.getLogger("serve.core.runs")
 
 
+class _Ran(NamedTuple):
+    """One session.run's outputs and measures (BatchRunner._execute)."""
+    path: str
+    pieces: list
+    length: int
+    lengths: np.ndarray
+    tokens: int
+    wants_hidden: bool
+    hidden: np.ndarray | None
+    pooled: np.ndarray
+    started: float
+    inference_s: float
+    cpu_s: float
+
+
 class BatchRunner:
     def __init__(self, backend: Backend, config: EncoderConfig, *, observe: Callable[..., None],
                  run_cost: RunCost | None = None, dense: tuple[Dense, ...] = ()) -> None:
@@ -41,50 +64,87 @@ class BatchRunner:
         self.run_cost = run_cost  # None: one session.run per path; else length-sorted runs (batch_plan)
         # a session on every CPU for a batch that runs alone (Backend.has_wide; test doubles have none)
         self.has_wide = bool(getattr(backend, "has_wide", False))
+        # how many runs of the narrow session fill every CPU (Backend.parallel_runs): a lone batch of several
+        # runs runs that many at once (module docstring)
+        self.parallel_runs = int(getattr(backend, "parallel_runs", 1))
+        self._pool: ThreadPoolExecutor | None = None
 
     def run(self, batch: list, wide: bool = False, finish: Callable[[list], None] | None = None) -> None:
         """Runs the batch's rows: one session.run per attention path, or length-sorted runs
         (serve/core/batch_plan.py) when a RunCost is set and splitting saves work. Each ticket finishes
         as soon as its last row has run, so short requests in a mixed batch come back first. `wide`:
-        the batch runs alone on the machine, so its dense runs may take the session on every CPU.
+        the batch runs alone on the machine, so its dense runs may take every CPU: one run on the wide
+        session, or several at once on the narrow one (`parallel_runs`, module docstring).
         `finish(done)`: answers the tickets a run completed (`BatchRunner.finish`, the default, or the batcher's
         finisher thread)."""
         progress = {ticket: _Progress(ticket) for ticket in batch}
         finish = finish or self.finish
-        for number, (path, pieces) in enumerate(self._runs(batch)):
-            length = max(t.length if i is None else int(t.rows.lengths[i].max()) for t, i in pieces)
-            pieces_rows = [(t.rows, i) for t, i in pieces]
-            lengths, tokens = run_lengths(pieces_rows)
-            feeds = pad_batch(pieces_rows, length, self.config, path, lengths)
-            # hidden states only where a caller of the run reads them (on a GPU, [rows, T, D] copied back per run)
-            wants_hidden = any(reads_hidden(t.request) for t, _ in pieces)
-            started, cpu = time.monotonic(), time.thread_time()
-            if path != DENSE:
-                hidden, pooled = self.backend.encode(feeds, path, hidden=wants_hidden)
-            elif wide and self.has_wide:
-                hidden, pooled = self.backend.encode(feeds, wide=True, hidden=wants_hidden)
-            else:
-                hidden, pooled = self.backend.encode(feeds, hidden=wants_hidden)
-            inference_s, run_cpu_s = time.monotonic() - started, time.thread_time() - cpu
-            rows = len(lengths)
-            self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=inference_s,
-                          padding_tokens=rows * length - tokens, path=path, run_cpu_s=run_cpu_s)
-            if wants_hidden and tokens < rows * length:
-                hidden[np.arange(length) >= lengths[:, None]] = 0  # answered zeros past each row's length
-            # the run's answers are finite (else: each row is checked); hidden states only where answered
-            finite = bool(np.isfinite(pooled).all()) and (not wants_hidden or bool(np.isfinite(hidden).all()))
-            at = 0
-            for ticket, index in pieces:
-                count = len(ticket.rows) if index is None else len(index)
-                progress[ticket].add(index, hidden, pooled, at, count, run=number, started=started,
-                                     inference_s=inference_s, batch_size=rows, batch_length=length,
-                                     path=path, finite=finite)
-                at += count
-            complete = [progress[ticket] for ticket, _ in pieces
-                        if progress[ticket].complete and not ticket.done()]
-            if complete:  # every method alike; before the answers
-                self._observe(queue_s=[done.queue_s for done in complete])
-                finish(complete)
+        runs = self._runs(batch)
+        if wide and self.parallel_runs > 1 and len(runs) > 1 and all(path == DENSE for path, _ in runs):
+            self._run_at_once(runs, progress, finish)
+            return
+        for number, (path, pieces) in enumerate(runs):
+            self._account(number, self._execute(path, pieces, wide), progress, finish)
+
+    def _execute(self, path: str, pieces: list, wide: bool) -> _Ran:
+        """One session.run of `pieces` (a ticket and its rows in the run): its inputs, the backend call, its
+        outputs. Touches no ticket: several may run at once (`_run_at_once`)."""
+        length = _length(pieces)
+        pieces_rows = [(t.rows, i) for t, i in pieces]
+        lengths, tokens = run_lengths(pieces_rows)
+        feeds = pad_batch(pieces_rows, length, self.config, path, lengths)
+        # hidden states only where a caller of the run reads them (on a GPU, [rows, T, D] copied back per run)
+        wants_hidden = any(reads_hidden(t.request) for t, _ in pieces)
+        started, cpu = time.monotonic(), time.thread_time()
+        if path != DENSE:
+            hidden, pooled = self.backend.encode(feeds, path, hidden=wants_hidden)
+        elif wide and self.has_wide:
+            hidden, pooled = self.backend.encode(feeds, wide=True, hidden=wants_hidden)
+        else:
+            hidden, pooled = self.backend.encode(feeds, hidden=wants_hidden)
+        return _Ran(path, pieces, length, lengths, tokens, wants_hidden, hidden, pooled, started,
+                    time.monotonic() - started, time.thread_time() - cpu)
+
+    def _account(self, number: int, ran: _Ran, progress: dict, finish: Callable[[list], None]) -> None:
+        """A run's outputs to its tickets' progress (on the batch's own thread); answers those it completed."""
+        rows, length, lengths, hidden = len(ran.lengths), ran.length, ran.lengths, ran.hidden
+        self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=ran.inference_s,
+                      padding_tokens=rows * length - ran.tokens, path=ran.path, run_cpu_s=ran.cpu_s)
+        if ran.wants_hidden and ran.tokens < rows * length:
+            hidden[np.arange(length) >= lengths[:, None]] = 0  # answered zeros past each row's length
+        # the run's answers are finite (else: each row is checked); hidden states only where answered
+        finite = bool(np.isfinite(ran.pooled).all()) and (not ran.wants_hidden or bool(np.isfinite(hidden).all()))
+        at = 0
+        for ticket, index in ran.pieces:
+            count = len(ticket.rows) if index is None else len(index)
+            progress[ticket].add(index, hidden, ran.pooled, at, count, run=number, started=ran.started,
+                                 inference_s=ran.inference_s, batch_size=rows, batch_length=length,
+                                 path=ran.path, finite=finite)
+            at += count
+        complete = [progress[ticket] for ticket, _ in ran.pieces
+                    if progress[ticket].complete and not ticket.done()]
+        if complete:  # every method alike; before the answers
+            self._observe(queue_s=[done.queue_s for done in complete])
+            finish(complete)
+
+    def _run_at_once(self, runs: list, progress: dict, finish: Callable[[list], None]) -> None:
+        """A lone batch's dense runs, `parallel_runs` at a time on the narrow session, the most work first (so the
+        last to start are the shortest); each accounted here as it completes. A failed run fails the batch once
+        every run has ended (the batcher then runs its requests one by one)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.parallel_runs, thread_name_prefix="runs")
+        order = sorted(range(len(runs)), key=lambda n: -_rows(runs[n][1]) * _length(runs[n][1]))
+        futures = {self._pool.submit(self._execute, *runs[n], False): n for n in order}
+        try:
+            for future in as_completed(futures):
+                self._account(futures[future], future.result(), progress, finish)
+        finally:
+            wait(futures)  # nothing of this batch still runs once it returns or fails
+
+    def close(self) -> None:
+        """Ends the threads of `_run_at_once` (after the batcher's last batch)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def finish(self, done: list) -> None:
         """Answers each completed ticket of `done` (its _Progress): its outputs, or the error assembling them
@@ -140,6 +200,15 @@ class BatchRunner:
         return runs
 
 
+def _length(pieces: list) -> int:
+    """The padded length of a run of `pieces`: its longest row."""
+    return max(t.length if i is None else int(t.rows.lengths[i].max()) for t, i in pieces)
+
+
+def _rows(pieces: list) -> int:
+    return sum(len(t.rows) if i is None else len(i) for t, i in pieces)
+
+
 def _step(rows: Rows, path: str) -> int:
     """The step a sparse run of these rows is laid out for (0: not a sparse run)."""
     if path != SPARSE:
@@ -188,13 +257,14 @@ class _Progress:
         else:
             for i in index.tolist():
                 self.paths[i] = path
-        if self.first_start is None:
+        if self.first_start is None or started < self.first_start:
             self.first_start = started
         if run != self.last_run:
             self.last_run = run
             self.inference_s += inference_s
-        # runs go shortest first, so the last run a ticket is in holds its longest row: report that one
-        self.batch_size, self.batch_length = batch_size, batch_length
+        # report the run that held its longest row (runs may complete in any order: BatchRunner._run_at_once)
+        if batch_length >= self.batch_length:
+            self.batch_size, self.batch_length = batch_size, batch_length
         self.left -= count
         if not finite:
             ok = np.isfinite(pooled[at:at + count]).all(axis=1)
