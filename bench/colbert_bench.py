@@ -10,8 +10,11 @@ Dense 384 -> 96 without bias, query_length 32, document_length 180), random weig
 tokenizer, made and saved by PyLate 1.6.0 (tests/pylate_reference.py: its sentence-transformers 6 bridge). The
 project: `python -m export --from-pretrained` (fp32, optimized) and `python -m serve --graph`. Requests: a query of
 5-12 words and 32 documents of 50-170 words (seeded; a word is a token), one client, one request at a time after
-two warm-up requests, on both sides; PyLate with torch at `--threads` threads, the server's ONNX Runtime at the
-same; the server allows 33 sequences per request (32 documents and the query). Reported: p50 / mean latency per request on each side, their ratio, and the largest score difference.
+two warm-up requests, each request timed on both sides back to back (which side goes first alternates, so the
+machine's drift falls on both); PyLate with torch at `--threads` threads, the server's ONNX Runtime at the same;
+the server allows 33 sequences per request (32 documents and the query). Reported: p50 / mean latency per request
+on each side, the ratio of the p50s and the per-request ratios (median [min, max]), and the largest score
+difference.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import LOOPBACK, WORDS, rerank_requests, running_server, tei_rerank
+from bench.harness import LOOPBACK, WORDS, rerank_requests, running_server, spread, tei_rerank
 
 VECTOR_DIM = 96
 
@@ -58,14 +61,18 @@ def _rerank(conn: http.client.HTTPConnection, query: str, documents: list[str]) 
     return tei_rerank(conn, {"query": query, "texts": documents, "truncate": True}, len(documents))
 
 
-def _timed(call, requests) -> list[float]:
+def _timed_side_by_side(sides: dict, requests) -> dict[str, list[float]]:
+    """Each side's milliseconds per request: two warm-up requests each, then every request on both sides back to
+    back, which side goes first alternating (a neighbour's load, or the machine's speed drifting, falls on both)."""
     for query, documents in requests[:2]:
-        call(query, documents)
-    times = []
-    for query, documents in requests[2:]:
-        started = time.perf_counter()
-        call(query, documents)
-        times.append((time.perf_counter() - started) * 1e3)
+        for call in sides.values():
+            call(query, documents)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for i, (query, documents) in enumerate(requests[2:]):
+        for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
+            started = time.perf_counter()
+            sides[name](query, documents)
+            times[name].append((time.perf_counter() - started) * 1e3)
     return times
 
 
@@ -99,7 +106,6 @@ def main(argv=None) -> None:
         return rank.rerank(documents_ids=[list(range(len(documents)))], queries_embeddings=q,
                            documents_embeddings=[d])[0]
 
-    pylate_ms = _timed(pylate, requests)
     # 32 documents and the query are 33 rows of one request, over the default max_sequences_per_request
     flags = ["--graph", args.graph, "--http-port", "0", "--max-sequences-per-request", "33", "--max-batch-size", "33"]
     # the server's CPUs: --threads in all (with --instances, each slot's share and a wide session on all of them)
@@ -111,7 +117,9 @@ def main(argv=None) -> None:
         q = model.encode([query], is_query=True)
         want = np.asarray([float(scores.colbert_scores(q, [d])[0, 0])
                            for d in model.encode(documents, is_query=False)])
-        server_ms = _timed(lambda query, documents: _rerank(conn, query, documents), requests)
+        times = _timed_side_by_side({"server": lambda query, documents: _rerank(conn, query, documents),
+                                     "pylate": pylate}, requests)
+    server_ms, pylate_ms = times["server"], times["pylate"]
     summary = {"graph": args.graph, "layers": args.layers, "threads": args.threads, "instances": args.instances,
                "requests": args.requests,
                "server_p50_ms": statistics.median(server_ms), "server_mean_ms": statistics.fmean(server_ms),
@@ -121,6 +129,7 @@ def main(argv=None) -> None:
                "same_ranking": bool((np.argsort(-served, kind="stable") == np.argsort(-want, kind="stable")).all()),
                "cpus": os.cpu_count()}
     summary["speedup_p50"] = summary["pylate_p50_ms"] / summary["server_p50_ms"]
+    summary["speedup_per_request"] = spread([p / q for p, q in zip(pylate_ms, server_ms)])
     print(json.dumps(summary, indent=1))
     shutil.rmtree(work, ignore_errors=True)
 

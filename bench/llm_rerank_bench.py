@@ -1,7 +1,7 @@
 """An LLM reranker (Qwen3-Reranker's recipe: P("yes") at the last token under the model card's prompt): one query
 against 32 documents, the project's server against the model card's transformers recipe in process (issue 43).
 
-    python -m bench.llm_rerank_bench [--shape tiny|mid] [--vocab N] [--requests 15]
+    python -m bench.llm_rerank_bench [--shape tiny|mid] [--vocab N] [--requests 15] [--instances 0]
 
 The checkpoints: random Qwen3ForCausalLM (tests/hf_references.py save_qwen3_reranker: its byte-level BPE
 tokenizer, max length 1024), `tiny` the tests' (2 layers x 64) and `mid` 4 layers x 512 (8 heads, 4 key/value
@@ -59,6 +59,9 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=0, help="the model's vocabulary (0: the tokenizer's)")
     parser.add_argument("--requests", type=int, default=15, help="timed requests (each on both sides)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--instances", type=int, default=0,
+                        help="the server's --instances (run slots; 0: its default, one). With one slot per CPU, "
+                             "a lone request's runs go several at once (docs/serving.md \"Instances\")")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
 
@@ -80,8 +83,8 @@ def main(argv=None) -> None:
     print(f"export: {time.perf_counter() - started:.0f} s", flush=True)
     recipe = CardRecipe(checkpoint, max_length=MAX_LENGTH)
     requests = _requests(16)
-    with running_server(os.path.join(work, "reranker"), ["--graph", "optimized", "--http-port", "0"],
-                        start_timeout_s=600.0) as server:
+    flags = ["--graph", "optimized", "--http-port", "0"] + (["--instances", str(args.instances)] if args.instances else [])
+    with running_server(os.path.join(work, "reranker"), flags, start_timeout_s=600.0) as server:
         conn = http.client.HTTPConnection(LOOPBACK, server.http_port, timeout=600)
         query, documents = requests[0]
         difference = float(np.abs(_rerank(conn, query, documents) - recipe.scores(query, documents)).max())
@@ -105,6 +108,7 @@ def main(argv=None) -> None:
                   flush=True)
     ratios = [r / s for r, s in zip(times["recipe"], times["server"])]
     summary = {"shape": args.shape, "vocab": args.vocab or recipe.model.config.vocab_size, "threads": args.threads,
+               "instances": args.instances,
                "server_ms": statistics.median(times["server"]), "recipe_ms": statistics.median(times["recipe"]),
                "speedup": spread(ratios), "cpu_speedup": cpu["recipe"] / cpu["server"],
                "largest_score_difference": difference}
