@@ -83,7 +83,8 @@ def main(argv=None) -> None:
     print(f"export: {time.perf_counter() - started:.0f} s", flush=True)
     recipe = CardRecipe(checkpoint, max_length=MAX_LENGTH)
     requests = _requests(16)
-    flags = ["--graph", "optimized", "--http-port", "0"] + (["--instances", str(args.instances)] if args.instances else [])
+    flags = ["--graph", "optimized", "--http-port", "0"]
+    flags += ["--instances", str(args.instances)] if args.instances else []
     with running_server(os.path.join(work, "reranker"), flags, start_timeout_s=600.0) as server:
         conn = http.client.HTTPConnection(LOOPBACK, server.http_port, timeout=600)
         query, documents = requests[0]

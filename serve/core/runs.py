@@ -67,7 +67,9 @@ class BatchRunner:
         # how many runs of the narrow session fill every CPU (Backend.parallel_runs): a lone batch of several
         # runs runs that many at once (module docstring)
         self.parallel_runs = int(getattr(backend, "parallel_runs", 1))
-        self._pool: ThreadPoolExecutor | None = None
+        # its threads start with the first such batch
+        self._pool = (ThreadPoolExecutor(self.parallel_runs, thread_name_prefix="runs") if self.parallel_runs > 1
+                      else None)
 
     def run(self, batch: list, wide: bool = False, finish: Callable[[list], None] | None = None) -> None:
         """Runs the batch's rows: one session.run per attention path, or length-sorted runs
@@ -131,8 +133,6 @@ class BatchRunner:
         """A lone batch's dense runs, `parallel_runs` at a time on the narrow session, the most work first (so the
         last to start are the shortest); each accounted here as it completes. A failed run fails the batch once
         every run has ended (the batcher then runs its requests one by one)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.parallel_runs, thread_name_prefix="runs")
         order = sorted(range(len(runs)), key=lambda n: -_rows(runs[n][1]) * _length(runs[n][1]))
         futures = {self._pool.submit(self._execute, *runs[n], False): n for n in order}
         try:
