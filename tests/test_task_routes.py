@@ -215,6 +215,11 @@ def test_infinity_rerank_shape_with_top_n(http):
     assert all(r["document"] == DOCUMENTS[r["index"]] for r in body["results"])
 
 
+def test_rerank_top_n_under_one_is_refused_naming_the_field(http):
+    answer = http.post("/rerank", json={"model": "reranker", "query": QUERY, "documents": DOCUMENTS, "top_n": 0})
+    assert answer.status_code == 400 and answer.json()["error"] == "top_n: expected a positive integer, got 0"
+
+
 def test_haystack_tei_ranker_orders_documents(server, cross_encoder):
     from haystack import Document
     from haystack.components.rankers import HuggingFaceTEIRanker

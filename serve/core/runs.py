@@ -8,8 +8,9 @@ A batch that runs alone (no other batch running or queued) may take every CPU. W
 split the CPUs (--instances: each slot's session runs on its share), that is one run on the wide session (every
 CPU), or, when the batch splits into several runs, `parallel_runs` of them at once on the narrow session, each
 on its share: on 2 cores, a ColBERT request's 6 runs (32 documents of 50-170 tokens, 12 layers of 384) took
-0.91x the time as 2 runs of 1 thread at once than one after another on 2 threads (docs/performance.md). Their
-outputs go to the tickets on the batch's own thread, in the order the runs complete.
+0.88-0.91x the time as 2 runs of 1 thread at once than one after another on 2 threads (docs/performance.md
+"Late interaction against PyLate"). Their outputs go to the tickets on the batch's own thread, in the order the
+runs complete.
 
 A run's outputs are one padded array per output; a request that ran as one whole piece of one run
 (the common case: no split) is answered with views of them, others gather their pieces once.
@@ -142,9 +143,9 @@ class BatchRunner:
             wait(futures)  # nothing of this batch still runs once it returns or fails
 
     def close(self) -> None:
-        """Ends the threads of `_run_at_once` (after the batcher's last batch)."""
+        """Ends the threads of `_run_at_once` once idle (after the batcher's last batch)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)
 
     def finish(self, done: list) -> None:
         """Answers each completed ticket of `done` (its _Progress): its outputs, or the error assembling them

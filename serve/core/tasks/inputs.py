@@ -17,7 +17,7 @@ from serve.errors import ValidationError, quote
 
 
 def check_positive(value: int | None, field: str) -> None:
-    """A count a call may set (max_tokens, max_tokens_per_doc, top_k): None or at least 1."""
+    """A count a call may set (max_tokens, max_tokens_per_doc, top_k, top_n): None or at least 1."""
     if value is not None and value < 1:
         raise ValidationError(f"{field}: expected a positive integer, got {value}")
 

@@ -53,8 +53,7 @@ def submit(engine, task: RerankTask, deadline: float | None = None) -> Pending:
     present(task.query, "query")
     field = task.documents_field
     documents = non_empty(task.documents, field, "document")
-    if task.top_n is not None and task.top_n < 1:
-        raise ValidationError(f"top_n: expected an integer >= 1, got {task.top_n}")
+    check_positive(task.top_n, "top_n")
     if task.max_tokens_per_doc is not None:
         check_positive(task.max_tokens_per_doc, "max_tokens_per_doc")
         text = tokenizer(engine, field)
