@@ -343,3 +343,25 @@ def test_a_server_with_two_instances_answers_concurrent_requests_as_pytorch_does
             np.testing.assert_allclose(out.embeddings[0], mean, atol=ATOL, rtol=ATOL)
     finally:
         assert process.terminate() == 0, process.log()
+
+
+def test_a_lone_request_split_into_runs_on_two_instances_matches_pytorch_row_by_row(
+        serve_start, serve_export_dir, serve_reference):
+    """Two run slots split the CPUs, so a lone request that splits into two runs runs both at once on the narrow
+    session (serve/core/runs.py; on a 1-CPU host, one after another): every row as PyTorch computes it, and each
+    run padded only to its own longest row (the per-run cost pinned as in split_server)."""
+    process = serve_start(serve_export_dir, "--instances", "2", "--split-overhead-tokens", "50")
+    try:
+        lengths = [3, 110, 4, 100]
+        sequences = [_ids(n, 900 + i) for i, n in enumerate(lengths)]
+        padding_before = _padding_tokens(process)
+        with EncoderClient(process.target, timeout=30, retries=0) as c:
+            out = c.encode(sequences, hidden_states=True)
+        for i, seq in enumerate(sequences):
+            hidden, mean = serve_reference(seq)
+            np.testing.assert_allclose(out.hidden_states[i], hidden, atol=ATOL, rtol=ATOL)
+            np.testing.assert_allclose(out.embeddings[i], mean, atol=ATOL, rtol=ATOL)
+        assert out.metadata.batch_sequence_length == 110
+        assert _padding_tokens(process) - padding_before == (4 - 3) + (110 - 100)
+    finally:
+        assert process.terminate() == 0, process.log()
