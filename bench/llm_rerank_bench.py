@@ -25,6 +25,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "times_ms": times}, f, indent=2)
+    shutil.rmtree(work, ignore_errors=True)  # the checkpoint and its export
 
 
 if __name__ == "__main__":
