@@ -80,6 +80,11 @@ class _Graph:
             return numpy_helper.to_array(node.attribute[0].t)
         return None
 
+    def scalar(self, name: str) -> float | None:
+        """The value of a one-element constant; None for anything else."""
+        c = self.const(name)
+        return float(c.reshape(())) if c is not None and c.size == 1 else None
+
     def op(self, name: str, op_type: str):
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op_type else None
@@ -140,16 +145,15 @@ def _masked_softmaxes(g: _Graph) -> list[tuple]:
         pre = g.op(softmax.input[0], "Where")
         if pre is None or len(g.consumers[pre.output[0]]) != 1:
             continue
-        low = g.const(pre.input[2])
-        if low is None or low.size != 1 or float(low) > -1e30:
+        low = g.scalar(pre.input[2])
+        if low is None or low > -1e30:
             continue
         post = g.only_consumer(softmax.output[0], "Where")
         if post is None or post.input[0] != pre.input[0] or post.input[1] != softmax.output[0]:
             continue
-        zero = g.const(post.input[2])
-        if zero is None or zero.size != 1 or float(zero) != 0.0:
+        if g.scalar(post.input[2]) != 0.0:
             continue
-        blocks.append((pre, softmax, post, float(low)))
+        blocks.append((pre, softmax, post, low))
     return blocks
 
 
@@ -179,9 +183,9 @@ def fuse_attention(model: onnx.ModelProto, config: EncoderConfig) -> tuple[onnx.
         qk = g.op(scores, "MatMul")
         if mul is not None:
             for i in (0, 1):
-                s, m = g.const(mul.input[1 - i]), g.op(mul.input[i], "MatMul")
-                if s is not None and s.size == 1 and m is not None:
-                    scale, qk = float(s), m
+                s, m = g.scalar(mul.input[1 - i]), g.op(mul.input[i], "MatMul")
+                if s is not None and m is not None:
+                    scale, qk = s, m
             if qk is None or len(g.consumers[mul.output[0]]) != 1:
                 continue
         if qk is None or len(g.consumers[qk.output[0]]) != 1:
@@ -315,8 +319,8 @@ def masks_as_arithmetic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 
 
 def _is_scalar(g: _Graph, name: str, value: float) -> bool:
-    c = g.const(name)
-    return c is not None and c.size == 1 and bool(np.isclose(float(c.reshape(())), value, rtol=1e-6, atol=0.0))
+    c = g.scalar(name)
+    return c is not None and bool(np.isclose(c, value, rtol=1e-6, atol=0.0))
 
 
 def _other(node, name: str) -> str | None:

@@ -721,38 +721,24 @@ def test_a_failing_run_of_a_split_batch_fails_only_the_request_that_poisons_it()
     batcher.stop(5)
 
 
-class ParallelRunsBackend(ShapeRecordingBackend):
-    """A backend whose narrow session fills the CPUs two runs at a time (parallel_runs 2, a wide session beside
-    it): records the session each run asked for and how many ran at once. A run waits (bounded) until another
-    is inside too, so runs made one after another show as most_inside 1, never as a hang. Fails any run that
-    holds token `poison`."""
+class ParallelRunsBackend(WideBackend, ShapeRecordingBackend):
+    """WideBackend (the session each run asked for, how many ran at once) with the shapes recorded, whose narrow
+    session fills the CPUs two runs at a time (parallel_runs 2). Each run waits (bounded) inside until another is
+    inside too (FakeBackend's `release` is CountingBackend's `both_inside`), so runs made one after another show
+    as most_inside 1, never as a hang. Fails any run that holds token `poison`."""
 
-    has_wide = True
     parallel_runs = 2
 
     def __init__(self, poison: int | None = None) -> None:
         super().__init__()
+        self.release = self.both_inside
         self.poison = poison
-        self.wide_calls: list[bool] = []
-        self.inside, self.most_inside = 0, 0
-        self.both_inside = threading.Event()
-        self._lock = threading.Lock()
 
-    def encode(self, batch, path="dense", *, wide=False, **options):
-        with self._lock:
-            self.wide_calls.append(wide)
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-            if self.inside == 2:
-                self.both_inside.set()
-        try:
-            self.both_inside.wait(5)
-            if self.poison is not None and (batch["input_ids"] == self.poison).any():
-                raise RuntimeError("poisoned run")
-            return super().encode(batch, path, **options)
-        finally:
-            with self._lock:
-                self.inside -= 1
+    def encode(self, batch, *args, **options):
+        outputs = super().encode(batch, *args, **options)
+        if self.poison is not None and (batch["input_ids"] == self.poison).any():
+            raise RuntimeError("poisoned run")
+        return outputs
 
 
 def test_a_lone_batch_of_several_runs_runs_them_at_once_on_the_narrow_session():
