@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -131,6 +132,7 @@ def measure(export_dir: str, front_ends: int, outstanding: int, rows: int, lengt
             worker.join(timeout=30)
         service.stop()
         engine.batcher.stop(0)
+        shutil.rmtree(folder, ignore_errors=True)  # the engine's sockets
     requests = (rows1 - rows0) / rows
     by_thread: dict[str, float] = {}
     for tid, cpu in after.items():

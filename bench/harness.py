@@ -21,6 +21,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -104,6 +105,15 @@ def running_process(command: list[str], log: Path, *, port_file: Path | None = N
         stop_process(process, grace_s)
 
 
+def tidy(workdir: Path, process: subprocess.Popen) -> None:
+    """Removes a stopped server's folder (its port file and log) when it exited 0 (drained on SIGTERM); else keeps
+    it and names its log, which tells why. A block that raised never gets here: its folder stays too."""
+    if process.returncode == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"the server exited with {process.returncode}; its log is kept: {workdir}", file=sys.stderr)
+
+
 # -- the server ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -152,6 +162,7 @@ def running_server(export_dir: str | Path | None, flags: Sequence[str] = (), *, 
             with EncoderClient(handle.target, timeout=5.0) as client:
                 wait_ready(lambda: client.health() == "SERVING", process, deadline, "the server", log)
         yield handle
+    tidy(workdir, process)
 
 
 # -- memory ----------------------------------------------------------------------------------------------------

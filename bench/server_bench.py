@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import (LOOPBACK, ServerHandle, closed_loop, cpu_seconds, latency_summary, running_process,
-                           thread_cpu)
+                           thread_cpu, tidy)
 
 
 @contextmanager
@@ -30,6 +30,7 @@ def running_bare_server(export_dir: str, graph: str, threads: int, *, start_time
     with running_process(command, log, port_file=port_file, start_timeout_s=start_timeout_s) as (process, ports, _):
         port = int(ports["port"])
         yield ServerHandle(process, port, f"{LOOPBACK}:{port}", log, flags)
+    tidy(workdir, process)
 
 
 def split_cpu(before: dict[int, float], after: dict[int, float], startup: frozenset[int],

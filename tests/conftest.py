@@ -196,8 +196,16 @@ def serve_start(tmp_path_factory):
         return server
 
     yield start
-    for server in started:
-        if server.proc.poll() is None:
+    # Still running at the end: stopped as an orchestrator stops a server (SIGTERM: each drains and removes what
+    # it made, such as its front ends' folder), all at once; one not gone within the bound is killed.
+    running = [server for server in started if server.proc.poll() is None]
+    for server in running:
+        server.proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + 20.0
+    for server in running:
+        try:
+            server.proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait(10)
 

@@ -288,6 +288,32 @@ def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_
     assert "event=engine_gone" in server.log()
 
 
+def _engine_folder(server) -> Path:
+    """The engine's folder (sockets, metrics files), as its front ends were told it."""
+    environ = Path(f"/proc/{server.front_ends[0]}/environ").read_bytes().split(b"\0")
+    return Path(next(v for v in environ if v.startswith(b"ENCODER_IPC_DIR=")).split(b"=", 1)[1].decode())
+
+
+def test_a_killed_engines_folder_is_removed_by_its_last_front_end(serve_start, serve_export_dir):
+    server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
+    folder = _engine_folder(server)
+    assert (folder / "engine.sock").exists()
+    server.proc.kill()  # as the OOM killer would: the engine itself removes nothing
+    server.proc.wait(10)
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
+                                      "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                                      for pid in server.front_ends), 60), "a front end outlived its engine"
+    assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
+
+
+def test_a_drained_server_leaves_no_folder(serve_start, serve_export_dir):
+    server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
+    folder = _engine_folder(server)
+    assert folder.is_dir()
+    assert server.terminate() == 0
+    assert not folder.exists()
+
+
 def test_sigterm_under_load_through_front_ends_answers_every_accepted_call(serve_start, serve_export_dir):
     # each client on a connection of its own, so the load reaches every front end
     assert_sigterm_under_load_answers_every_accepted_request(serve_start, serve_export_dir, "--front-ends",

@@ -8,13 +8,16 @@ every check, the answers) over models that run in the engine process.
   serve_front_end   the process: its models told by the engine, then listening (so a front end started again
                     takes no connection before it can serve), told the engine; it drains when the engine drains
                     (or on its own SIGTERM) and exits 0; when the engine is gone (its pipe closed) it answers
-                    every call it holds UNAVAILABLE and exits 1
+                    every call it holds UNAVAILABLE and exits 1, the last of them removing the engine's folder
+  EngineFolder      that folder (its sockets, every process's metrics files), which a killed engine cannot remove
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
 import signal
 import threading
 
@@ -97,12 +100,40 @@ class Mirror:
             self.drain.set()
 
 
+class EngineFolder:
+    """The engine's folder (its sockets, every process's metrics files), which a killed engine (SIGKILL, the OOM
+    killer) cannot remove: its last orphan does, so a server restarted after each kill leaves none behind. Each
+    front end holds a shared lock on one file there for its life; an orphan that ends drops its own and removes
+    the folder only if it can then lock that file alone, i.e. when no other front end still runs (one in its
+    grace may yet write a metrics file there)."""
+
+    LOCK = "front-ends.lock"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(os.path.join(path, self.LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def leave(self) -> bool:
+        """The engine gone, this front end ends: True when it was the last and removed the folder."""
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            return False  # another front end still runs: it ends later, and removes the folder then
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+        return True
+
+
 def serve_front_end(config: ServerConfig) -> int:
     """A front-end process's life (module docstring); its exit code."""
     from serve.assembly.app import create_server
 
     logs.setup(config.log_level)
     logs.event(log, "front_end", index=config.front_end_index)
+    folder = EngineFolder(config.ipc_dir)
     link = EngineLink(config.ipc_dir, config.front_end_index)
     mirror = Mirror(link, config)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the engine, which drains us
@@ -138,6 +169,7 @@ def serve_front_end(config: ServerConfig) -> int:
         failed = link.fail_all(Unavailable("the server's engine process ended; retry on another replica"))
         logs.event(log, "engine_gone", logging.ERROR, failed=failed)
         server.shutdown(ORPHAN_GRACE_S)  # new calls meanwhile: UNAVAILABLE (admission), never a dropped connection
+        folder.leave()
         return 1
     drained = server.shutdown()
     link.stop()

@@ -17,9 +17,10 @@ answers) and send the checked rows to the engine over the wire (serve/core/ipc.p
                  calls in flight fail UNAVAILABLE at its clients: their connection broke)
 
 An engine that dies takes the server down: the front ends see their pipe close, answer every call they hold
-UNAVAILABLE, and exit 1, and so does the server's process (the orchestrator restarts it). Metrics: each front
-end counts its requests in prometheus_client's multiprocess files, which the engine's /metrics adds up beside
-its own (serve/core/metrics.py).
+UNAVAILABLE, and exit 1, the last of them removing the engine's folder (serve/assembly/front_end.py
+EngineFolder), and so does the server's process (the orchestrator restarts it). Metrics: each front end counts
+its requests in prometheus_client's multiprocess files, which the engine's /metrics adds up beside its own
+(serve/core/metrics.py).
 """
 
 from __future__ import annotations
@@ -280,13 +281,13 @@ class EngineProcess:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.folder = tempfile.mkdtemp(prefix="encoder-front-ends-")
-        self.multiproc_dir = os.path.join(self.folder, "metrics")
-        os.makedirs(self.multiproc_dir)
         self.metrics = Metrics(parts=(ENGINE,))
         self.metrics_port: int | None = None
         self.admission = Admission(config.default_model)
         self.repository = ModelRepository(config, self.admission, self.metrics, default_backend)
+        self.folder = tempfile.mkdtemp(prefix="encoder-front-ends-")
+        self.multiproc_dir = os.path.join(self.folder, "metrics")
+        os.makedirs(self.multiproc_dir)
         self.front_ends = FrontEnds(config, self.folder, self.multiproc_dir)
         calls = {"index": lambda: [e.__dict__ for e in self.repository.index()],
                  "load": lambda name: self.repository.load(name).__dict__,
@@ -296,7 +297,11 @@ class EngineProcess:
                  "reload_all": lambda: [r.__dict__ for r in self.repository.reload_all()]}
         events = {"hello": lambda header: self.service.send(header["fe"], self.models_message()),
                   "listening": self.front_ends.listening}
-        self.service = EngineService(self.folder, self.front_ends.count, self.admission, calls, events)
+        try:
+            self.service = EngineService(self.folder, self.front_ends.count, self.admission, calls, events)
+        except BaseException:  # its sockets could not be bound: the folder would outlive a server that never ran
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         self.admission.on_change = lambda: self.service.broadcast(self.models_message())
 
     def models_message(self) -> dict:
