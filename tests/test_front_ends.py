@@ -270,6 +270,14 @@ def test_a_killed_front_end_is_replaced_and_only_calls_it_held_fail(serve_start,
     assert "front_end_died" in server.log() and server.proc.poll() is None
 
 
+def _running(pid: int) -> bool:
+    """The process runs: neither gone nor a zombie its parent has not reaped (it may go between two reads)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_start, serve_export_dir):
     server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
     stop, lock, outcomes = threading.Event(), threading.Lock(), []
@@ -277,9 +285,8 @@ def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_
     assert wait_until(lambda: outcomes.count("OK") >= 50, 60)
     server.proc.kill()
     server.proc.wait(10)
-    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
-                                      "zombie" not in Path(f"/proc/{pid}/status").read_text()
-                                      for pid in server.front_ends), 60), "a front end outlived its engine"
+    assert wait_until(lambda: not any(_running(pid) for pid in server.front_ends), 60), \
+        "a front end outlived its engine"
     stop.set()
     for thread in threads:
         thread.join(60)
@@ -300,9 +307,8 @@ def test_a_killed_engines_folder_is_removed_by_its_last_front_end(serve_start, s
     assert (folder / "engine.sock").exists()
     server.proc.kill()  # as the OOM killer would: the engine itself removes nothing
     server.proc.wait(10)
-    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
-                                      "zombie" not in Path(f"/proc/{pid}/status").read_text()
-                                      for pid in server.front_ends), 60), "a front end outlived its engine"
+    assert wait_until(lambda: not any(_running(pid) for pid in server.front_ends), 60), \
+        "a front end outlived its engine"
     assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
 
 
