@@ -28,12 +28,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.harness import LOOPBACK, WORDS, rerank_requests, running_server, spread, tei_rerank
+from bench.harness import (LOOPBACK, WORDS, rerank_requests, running_server, spread, tei_rerank,
+                           timed_side_by_side)
 
 VECTOR_DIM = 96
 
@@ -59,21 +59,6 @@ def _requests(count: int) -> list[tuple[str, list[str]]]:
 
 def _rerank(conn: http.client.HTTPConnection, query: str, documents: list[str]) -> np.ndarray:
     return tei_rerank(conn, {"query": query, "texts": documents, "truncate": True}, len(documents))
-
-
-def _timed_side_by_side(sides: dict, requests) -> dict[str, list[float]]:
-    """Each side's milliseconds per request: two warm-up requests each, then every request on both sides back to
-    back, which side goes first alternating (a neighbour's load, or the machine's speed drifting, falls on both)."""
-    for query, documents in requests[:2]:
-        for call in sides.values():
-            call(query, documents)
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for i, (query, documents) in enumerate(requests[2:]):
-        for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
-            started = time.perf_counter()
-            sides[name](query, documents)
-            times[name].append((time.perf_counter() - started) * 1e3)
-    return times
 
 
 def main(argv=None) -> None:
@@ -117,8 +102,8 @@ def main(argv=None) -> None:
         q = model.encode([query], is_query=True)
         want = np.asarray([float(scores.colbert_scores(q, [d])[0, 0])
                            for d in model.encode(documents, is_query=False)])
-        times = _timed_side_by_side({"server": lambda query, documents: _rerank(conn, query, documents),
-                                     "pylate": pylate}, requests)
+        times, _ = timed_side_by_side({"server": lambda query, documents: _rerank(conn, query, documents),
+                                       "pylate": pylate}, requests[:2], requests[2:])
     server_ms, pylate_ms = times["server"], times["pylate"]
     summary = {"graph": args.graph, "layers": args.layers, "threads": args.threads, "instances": args.instances,
                "requests": args.requests,

@@ -283,6 +283,39 @@ def latency_summary(samples_ms: Sequence[float]) -> dict:
             "n": len(samples_ms)}
 
 
+def turns(names, number: int) -> list:
+    """The order the sides take turn `number` in: as given, then reversed, alternating, so that a neighbour's load
+    or the machine's speed drifting falls on every side alike."""
+    names = list(names)
+    return names if number % 2 == 0 else names[::-1]
+
+
+def timed_side_by_side(sides: dict[str, Callable], warmup: Sequence[tuple], timed: Sequence[tuple], *,
+                       cpu_pids: dict[str, int | None] | None = None,
+                       after: Callable[[int, dict], None] | None = None) -> tuple[dict, dict]:
+    """({side: milliseconds per request of `timed`}, {side: CPU seconds in all}): each of `warmup` on every side
+    first, then every request of `timed` (each the arguments of a call) on every side back to back, in `turns`.
+    CPU is counted for the sides of `cpu_pids` ({side: its process, None: this one}). `after(i, times)` runs after
+    each timed request (progress)."""
+    for args in warmup:
+        for call in sides.values():
+            call(*args)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    cpu = {name: 0.0 for name in cpu_pids or {}}
+    for i, args in enumerate(timed):
+        for name in turns(sides, i):
+            counted = name in cpu
+            cpu_before = cpu_seconds(cpu_pids[name]) if counted else 0.0
+            started = time.perf_counter()
+            sides[name](*args)
+            times[name].append((time.perf_counter() - started) * 1e3)
+            if counted:
+                cpu[name] += cpu_seconds(cpu_pids[name]) - cpu_before
+        if after is not None:
+            after(i, times)
+    return times, cpu
+
+
 def spread(values: Sequence[float]) -> dict:
     """{"median", "min", "max"} of per-round figures (ratios are taken within a round, then summarised)."""
     return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from bench.harness import LOOPBACK, cpu_seconds, rerank_requests, running_server, spread, tei_rerank
+from bench.harness import LOOPBACK, rerank_requests, running_server, spread, tei_rerank, timed_side_by_side
 
 SHAPES = {
     "tiny": {},
@@ -94,20 +94,12 @@ def main(argv=None) -> None:
                   for d in documents]
         print(f"one request: 32 rows of {min(tokens)}-{max(tokens)} tokens; largest score difference "
               f"{difference:.2e}", flush=True)
-        sides = {"server": lambda q, d: _rerank(conn, q, d), "recipe": recipe.scores}
-        for call in sides.values():
-            call(*requests[1])  # warm-up
-        times = {name: [] for name in sides}
-        cpu = {name: 0.0 for name in sides}
-        for i in range(args.requests):
-            for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
-                pid = server.process.pid if name == "server" else None
-                cpu_before, started = cpu_seconds(pid), time.perf_counter()
-                sides[name](*requests[(2 + i) % len(requests)])
-                times[name].append((time.perf_counter() - started) * 1e3)
-                cpu[name] += cpu_seconds(pid) - cpu_before
-            print(f"request {i + 1}: server {times['server'][-1]:.0f} ms, recipe {times['recipe'][-1]:.0f} ms",
-                  flush=True)
+        times, cpu = timed_side_by_side(
+            {"server": lambda q, d: _rerank(conn, q, d), "recipe": recipe.scores}, [requests[1]],
+            [requests[(2 + i) % len(requests)] for i in range(args.requests)],
+            cpu_pids={"server": server.process.pid, "recipe": None},
+            after=lambda i, times: print(f"request {i + 1}: server {times['server'][-1]:.0f} ms, recipe "
+                                         f"{times['recipe'][-1]:.0f} ms", flush=True))
     ratios = [r / s for r, s in zip(times["recipe"], times["server"])]
     summary = {"shape": args.shape, "vocab": args.vocab or recipe.model.config.vocab_size, "threads": args.threads,
                "instances": args.instances,

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import (LOOPBACK, WORDS, closed_loop, free_port, percentiles, running_process, running_server,
-                           spread, wait_ready)
+                           spread, turns, wait_ready)
 
 SHAPE = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
              max_position_embeddings=512, num_labels=1)
@@ -181,8 +181,8 @@ def main(argv=None) -> None:
 
         rounds = []
         for number in range(args.rounds):
-            order = list(servers) if number % 2 == 0 else list(reversed(servers))
-            rounds.append({name: _load(*servers[name], requests, args.clients, args.requests) for name in order})
+            rounds.append({name: _load(*servers[name], requests, args.clients, args.requests)
+                           for name in turns(servers, number)})
             print(f"round {number + 1}: " + "; ".join(f"{n} {r['pairs_per_s']:.0f} pairs/s (p50 {_ms(r)}, "
                                                        f"reconnects {r['reconnects']})" for n, r in rounds[-1].items()),
                   flush=True)
