@@ -42,8 +42,8 @@ def tiny_variants(tiny_config):
     return variants(tiny_config)
 
 
-# Every value of every variant switch, in 7 exports instead of one per switch (export is the
-# slow part of the suite: ~10 s each). test_parity checks this table covers every value.
+# Every value of every variant switch, in 11 exports instead of one per switch (torch.onnx.export is
+# the slow part of the suite: 4-6 s each). test_parity checks this table covers every value.
 PARITY_CONFIGS = {
     "default": {},
     "none-prenorm-gelu": dict(scaling="temperature", temperature=1.0, norm_placement="pre", activation="gelu"),
