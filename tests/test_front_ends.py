@@ -278,15 +278,21 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _kill_engine(server) -> None:
+    """SIGKILL to the engine, as the OOM killer would (the engine itself removes nothing); then every front end
+    has ended within 60 s."""
+    server.proc.kill()
+    server.proc.wait(10)
+    assert wait_until(lambda: not any(_running(pid) for pid in server.front_ends), 60), \
+        "a front end outlived its engine"
+
+
 def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_start, serve_export_dir):
     server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
     stop, lock, outcomes = threading.Event(), threading.Lock(), []
     threads = _load(server, stop, outcomes, lock)
     assert wait_until(lambda: outcomes.count("OK") >= 50, 60)
-    server.proc.kill()
-    server.proc.wait(10)
-    assert wait_until(lambda: not any(_running(pid) for pid in server.front_ends), 60), \
-        "a front end outlived its engine"
+    _kill_engine(server)
     stop.set()
     for thread in threads:
         thread.join(60)
@@ -305,10 +311,7 @@ def test_a_killed_engines_folder_is_removed_by_its_last_front_end(serve_start, s
     server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
     folder = _engine_folder(server)
     assert (folder / "engine.sock").exists()
-    server.proc.kill()  # as the OOM killer would: the engine itself removes nothing
-    server.proc.wait(10)
-    assert wait_until(lambda: not any(_running(pid) for pid in server.front_ends), 60), \
-        "a front end outlived its engine"
+    _kill_engine(server)
     assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
 
 
