@@ -7,7 +7,8 @@
    through the packaged all-MiniLM-L6-v2 tokenizer, which is its own) is written as a Hugging Face directory
    and exported with its tokenizer, fp16 graph included (`python -m export --from-pretrained`), once.
 2. The same fp16 graph in process: ONNX Runtime alone, at the run shapes the server ran (its mean rows per
-   run, the texts' token count), tokens/s.
+   run, the texts' token count) and with as many runs at once as the server's run slots (`--instances`,
+   serve/assembly/repository.py run_slots: two by default on CUDA), tokens/s.
 3. The server (`--device cuda --graph fp16`, each `--front-ends N` asked for) under `--clients` closed-loop
    clients sending one 50-token text each, back to back, for `--seconds`, over gRPC (Encode with texts) and
    over HTTP (OpenAI's /v1/embeddings): the clients run in 8 processes of their own, each client on its own
@@ -75,16 +76,18 @@ def make_export(workdir: Path, shape: dict, device: str) -> Path:
 
 
 class InProcess:
-    """ONNX Runtime alone on the served graph, the backend built once: tokens/s at (rows, length), run back to
-    back, each shape measured once. Only the pooled output is fetched, as the server's runs for embeddings do
-    (hidden states stay on the device)."""
+    """ONNX Runtime alone on the served graph, the backend built once for `streams` runs at once (the server's
+    run slots): tokens/s at (rows, length) with `streams` threads each running back to back on the one session,
+    as the server's batcher workers do, each shape measured once. Only the pooled output is fetched, as the
+    server's runs for embeddings do (hidden states stay on the device)."""
 
-    def __init__(self, export: Path, device: str) -> None:
+    def __init__(self, export: Path, device: str, streams: int = 1) -> None:
         from serve.backend.export_dir import load_export
         from serve.backend.session import OnnxRuntimeBackend
 
         graph = "fp16" if device == "cuda" else "optimized"
-        self.backend = OnnxRuntimeBackend(load_export(export, graph), device=device)
+        self.streams = streams
+        self.backend = OnnxRuntimeBackend(load_export(export, graph), device=device, instances=streams)
         self.measured: dict[tuple[int, int], float] = {}
 
     def tokens_per_s(self, rows: int, length: int, seconds: float) -> float:
@@ -94,12 +97,35 @@ class InProcess:
             batch = dummy_batch(self.backend.export.config, rows, length)
             for _ in range(5):
                 self.backend.encode(batch, hidden=False)
-            runs, started = 0, time.perf_counter()
-            while time.perf_counter() - started < seconds:
-                self.backend.encode(batch, hidden=False)
-                runs += 1
-            self.measured[rows, length] = runs * rows * length / (time.perf_counter() - started)
+            runs = [0] * self.streams
+            go, stop = threading.Event(), threading.Event()
+
+            def stream(index: int) -> None:
+                go.wait()
+                while not stop.is_set():
+                    self.backend.encode(batch, hidden=False)
+                    runs[index] += 1
+
+            threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(self.streams)]
+            for thread in threads:
+                thread.start()
+            started = time.perf_counter()
+            go.set()
+            stop.wait(seconds)  # the measuring window: every stream runs until it ends
+            stop.set()
+            for thread in threads:
+                thread.join()
+            self.measured[rows, length] = sum(runs) * rows * length / (time.perf_counter() - started)
         return self.measured[rows, length]
+
+
+def server_run_slots(device: str, serve_flags: tuple[str, ...]) -> int:
+    """The run slots the server takes with these flags and the environment it inherits: its own parser and rule
+    (serve/config.py load_config, serve/assembly/repository.py run_slots; one --export-dir)."""
+    from serve.assembly.repository import run_slots
+    from serve.config import load_config
+
+    return run_slots(load_config(["--device", device, *serve_flags]), None)
 
 
 def _client_process(protocol: str, target: str, http_target: str, model: str, clients: int, tokens: int, seconds: float,
@@ -253,14 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
                   f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "
                   f"server CPU {r['server_cpu_ms_per_request']:.3f} ms/req  errors {r['errors']}", flush=True)
-    in_process = InProcess(export, args.device)
-    for r in rows:  # in process at the shape the server ran (its rows per run, the texts' tokens)
+    streams = server_run_slots(args.device, serve_flags)
+    in_process = InProcess(export, args.device, streams)
+    for r in rows:  # in process at the shape the server ran (its rows per run, the texts' tokens, its run slots)
         shape_rows = max(1, round(r["rows_per_run"] or 1))
         r["in_process_tokens_per_s"] = in_process.tokens_per_s(shape_rows, args.tokens, min(10.0, args.seconds / 3))
+        r["in_process_streams"] = streams
         r["server_over_in_process"] = r["tokens_per_s"] / r["in_process_tokens_per_s"]
         print(f"front ends {r['front_ends']} {r['protocol']:4s}: server / in process "
               f"{r['server_over_in_process']:.2f} (in process {r['in_process_tokens_per_s']:.0f} tokens/s at "
-              f"{shape_rows} x {args.tokens})", flush=True)
+              f"{shape_rows} x {args.tokens}, {streams} at once)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": args.device, "quick": args.quick, "cpus": os.cpu_count(), "rows": rows,

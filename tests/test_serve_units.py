@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,25 @@ def test_front_ends_by_default_follow_the_device():
     assert front_end_count(ServerConfig(front_ends=3)) == 3
     with pytest.raises(ValueError, match="front_ends must be >= 0 .* or -1"):
         ServerConfig(front_ends=-2)
+
+
+def test_run_slots_by_default_follow_the_device_and_the_models(tmp_path):
+    """No GPU here: the rule is read for --device cuda (the server on CUDA is tests/test_cuda.py's). A model
+    folder is one with a metadata.json (Triton's layout rule)."""
+    from serve.assembly.repository import run_slots
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metadata.json").write_text("{}")
+    (tmp_path / "not-a-model").mkdir()
+    cpus = len(os.sched_getaffinity(0))
+    assert ServerConfig().instances == 0
+    assert run_slots(ServerConfig(), None) == 1  # --export-dir on the CPU
+    assert run_slots(ServerConfig(device="auto"), None) == 1  # auto may end on the CPU
+    assert run_slots(ServerConfig(device="cuda"), None) == 2  # one batch's Python beside the other's run
+    assert run_slots(ServerConfig(), tmp_path) == min(cpus, 3)  # one per model, at most one per CPU
+    assert run_slots(ServerConfig(device="cuda"), tmp_path) == max(2, min(cpus, 3))
+    assert run_slots(ServerConfig(device="cuda", instances=1), tmp_path) == 1  # as set
 
 
 def test_config_bad_environment_value_names_the_variable():

@@ -26,7 +26,7 @@ from serve.core.attention_budget import AttentionBudget, default_budget
 from serve.backend.session import CUDA, Backend, OnnxRuntimeBackend, dummy_batch
 from serve.core.batch_plan import RunCost
 from serve.core.batcher import Batcher
-from serve.config import ServerConfig
+from serve.config import ServerConfig, least_run_slots
 from serve.core.scheduler import Scheduler
 from serve.core.engine import Engine
 from serve.core.pooling import project
@@ -102,8 +102,8 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
     """A started engine for `export_dir` that passed every check, and its warm-up seconds. `name`: what
     it is served as (default: the export's name); `scheduler`: the server's run slots, shared by every
     model (serve/core/scheduler.py)."""
-    if not config.instances:  # 0: one run slot per model, resolved by the repository; alone: one
-        config = dataclasses.replace(config, instances=1)
+    if not config.instances:  # 0: resolved by the repository (run_slots); alone: the device's least
+        config = dataclasses.replace(config, instances=least_run_slots(config))
     export = load_export(export_dir, graph, auto=auto_graphs(config.device), long_paths=config.long_paths)
     backend = backend_factory(export, config)
     budget = AttentionBudget.for_device(export.config, backend.info.paths,

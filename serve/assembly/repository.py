@@ -38,7 +38,7 @@ from model.export_format import repository_folders
 from serve import logs
 from serve.assembly.loading import BackendFactory, auto_graphs, build_engine
 from serve.backend.export_dir import load_export
-from serve.config import ServerConfig
+from serve.config import ServerConfig, least_run_slots
 from serve.core.admission import Admission, names
 from serve.core.attention_budget import available_memory, gib
 from serve.core.engine import Engine, Reloaded
@@ -68,12 +68,14 @@ def refused(what: str, error: ServeError) -> ServeError:
 
 def run_slots(config: ServerConfig, root: Path | None) -> int:
     """ServerConfig.instances, or by default: one for --export-dir; for a repository, one per model
-    found at start, at most one per CPU this process may run on."""
+    found at start, at most one per CPU this process may run on; with --device cuda at least two
+    (serve/config.py least_run_slots)."""
     if config.instances:
         return config.instances
+    least = least_run_slots(config)
     if root is None or not root.is_dir():
-        return 1
-    return max(1, min(len(os.sched_getaffinity(0)), len(scan(root))))
+        return least
+    return max(least, min(len(os.sched_getaffinity(0)), len(scan(root))))
 
 
 def resident_bytes() -> int:
