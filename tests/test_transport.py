@@ -90,6 +90,22 @@ def test_an_unknown_method_is_unimplemented(server):
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_a_watch_stream_stays_open_while_unary_calls_on_its_channel_answer(server):
+    """grpc.health's Watch answers one request with a stream (a unary call answers once, with its status):
+    the transport keeps the stream open, its first message SERVING, while Encode answers beside it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="encoder.v1.EncoderService"), timeout=60)
+        first = next(watch)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        out = pb_grpc.EncoderServiceStub(channel).Encode(build_request([[5, 17, 3]]), timeout=30)
+        assert len(out.results) == 1
+        assert watch.running()  # the stream is still open: no status came after its first message
+        watch.cancel()
+
+
 def _requests_total(gated: GatedServer, code: str) -> float:
     return gated.server.metrics.registry.get_sample_value(
         "encoder_requests_total", {"method": "Encode", "code": code}) or 0.0

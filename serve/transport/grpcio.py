@@ -46,9 +46,12 @@ class _Handler(grpc.GenericRpcHandler):
             return None  # grpcio's own UNIMPLEMENTED
         handler = self._handlers.get(method)
         if handler is None:
-            if self._registry.unary(method):
-                handler = grpc.unary_stream_rpc_method_handler(
+            if self._registry.unary(method) and self._registry.answers_once(method):
+                handler = grpc.unary_unary_rpc_method_handler(
                     lambda request, context: self._unary(method, request, context))
+            elif self._registry.unary(method):
+                handler = grpc.unary_stream_rpc_method_handler(
+                    lambda request, context: self._unary_stream(method, request, context))
             else:
                 handler = grpc.stream_stream_rpc_method_handler(
                     lambda requests, context: self._stream(method, requests, context))
@@ -68,9 +71,17 @@ class _Handler(grpc.GenericRpcHandler):
                 return
             yield item
 
-    # unary requests are served as unary-stream on the wire's side of grpcio: the same bytes for a
-    # unary client (one message, then the status), and the handler never blocks before it yields
-    def _unary(self, method: str, request: bytes, context):
+    # a unary call's answer and its status leave in one grpcio batch (served as unary-stream, the message
+    # and the status were two sends, the handler thread waiting for the first to complete)
+    def _unary(self, method: str, request: bytes, context) -> bytes | None:
+        rpc = GrpcioRpc(context, method)
+        self._router.start(rpc, request)
+        answer = None
+        for answer in self._answer(rpc, context):  # one message at most (Registry.answers_once), then the status
+            pass
+        return answer
+
+    def _unary_stream(self, method: str, request: bytes, context):
         rpc = GrpcioRpc(context, method)
         self._router.start(rpc, request)
         yield from self._answer(rpc, context)

@@ -178,6 +178,11 @@ class Registry:
         handler = self.handlers.get(method)
         return handler is None or not handler.request_streaming
 
+    def answers_once(self, method: str) -> bool:
+        """Methods whose server sends one message at most (grpc.health's Watch, EncodeStream do not)."""
+        handler = self.handlers.get(method)
+        return handler is None or not handler.response_streaming
+
 
 class Router:
     """Routes every call of every transport (module docstring)."""
