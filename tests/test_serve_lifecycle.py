@@ -271,4 +271,6 @@ def test_every_readiness_surface_turns_not_ready_in_the_drain_delay_while_calls_
                                      headers={"content-type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=30) as answer:
         assert answer.status == 200 and len(json.loads(answer.read())["data"]) == 1
-    assert server.proc.poll() is None  # still in its delay; the fixture ends it
+    assert server.proc.poll() is None  # still in its delay
+    server.proc.kill()  # its delay would outlast the session's stop (SIGTERM, then a kill after 20 s)
+    server.proc.wait(30)
