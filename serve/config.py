@@ -211,7 +211,7 @@ def front_end_count(config: ServerConfig, cpus: int | None = None) -> int:
 # Run slots a server on CUDA takes at least (ServerConfig.instances = 0): two batches on the device at once, so
 # one batch's Python (forming, padding, answering) overlaps the other's run. On a 16-core H200 host with the
 # default 8 front ends and 256 clients, two slots against one: gRPC 281k -> 344k tokens/s, HTTP 405k -> 505k,
-# the GPU busy 0.48-0.57 -> 0.72-0.75 (docs/performance.md "The request path on a GPU host").
+# the GPU busy 0.48-0.57 -> 0.72-0.75 (docs/performance.md "The request path on a GPU host, again").
 CUDA_RUN_SLOTS = 2
 
 
