@@ -8,7 +8,8 @@
    and exported with its tokenizer, fp16 graph included (`python -m export --from-pretrained`), once.
 2. The same fp16 graph in process: ONNX Runtime alone, at the run shapes the server ran (its mean rows per
    run, the texts' token count) and with as many runs at once as the server's run slots (`--instances`,
-   serve/assembly/repository.py run_slots: two by default on CUDA), tokens/s.
+   serve/assembly/repository.py run_slots: two by default on CUDA), tokens/s; and at full runs
+   (`--max-batch-size` rows), what the device gives when every run is full.
 3. The server (`--device cuda --graph fp16`, each `--front-ends N` asked for) under `--clients` closed-loop
    clients sending one 50-token text each, back to back, for `--seconds`, over gRPC (Encode with texts) and
    over HTTP (OpenAI's /v1/embeddings): the clients run in 8 processes of their own, each client on its own
@@ -119,13 +120,14 @@ class InProcess:
         return self.measured[rows, length]
 
 
-def server_run_slots(device: str, serve_flags: tuple[str, ...]) -> int:
-    """The run slots the server takes with these flags and the environment it inherits: its own parser and rule
-    (serve/config.py load_config, serve/assembly/repository.py run_slots; one --export-dir)."""
+def server_run_shape(device: str, serve_flags: tuple[str, ...]) -> tuple[int, int]:
+    """(run slots, rows per run at most) the server takes with these flags and the environment it inherits: its
+    own parser and rules (serve/config.py load_config, serve/assembly/repository.py run_slots; one --export-dir)."""
     from serve.assembly.repository import run_slots
     from serve.config import load_config
 
-    return run_slots(load_config(["--device", device, *serve_flags]), None)
+    config = load_config(["--device", device, *serve_flags])
+    return run_slots(config, None), config.max_batch_size
 
 
 def _client_process(protocol: str, target: str, http_target: str, model: str, clients: int, tokens: int, seconds: float,
@@ -279,16 +281,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
                   f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "
                   f"server CPU {r['server_cpu_ms_per_request']:.3f} ms/req  errors {r['errors']}", flush=True)
-    streams = server_run_slots(args.device, serve_flags)
+    streams, full = server_run_shape(args.device, serve_flags)
     in_process = InProcess(export, args.device, streams)
+    window = min(10.0, args.seconds / 3)
     for r in rows:  # in process at the shape the server ran (its rows per run, the texts' tokens, its run slots)
         shape_rows = max(1, round(r["rows_per_run"] or 1))
-        r["in_process_tokens_per_s"] = in_process.tokens_per_s(shape_rows, args.tokens, min(10.0, args.seconds / 3))
+        r["in_process_tokens_per_s"] = in_process.tokens_per_s(shape_rows, args.tokens, window)
         r["in_process_streams"] = streams
         r["server_over_in_process"] = r["tokens_per_s"] / r["in_process_tokens_per_s"]
+        # and against full runs (--max-batch-size rows): what the device gives when every run is full
+        r["in_process_full_runs_tokens_per_s"] = in_process.tokens_per_s(full, args.tokens, window)
+        r["server_over_full_runs"] = r["tokens_per_s"] / r["in_process_full_runs_tokens_per_s"]
         print(f"front ends {r['front_ends']} {r['protocol']:4s}: server / in process "
               f"{r['server_over_in_process']:.2f} (in process {r['in_process_tokens_per_s']:.0f} tokens/s at "
-              f"{shape_rows} x {args.tokens}, {streams} at once)", flush=True)
+              f"{shape_rows} x {args.tokens}, {streams} at once); / full runs {r['server_over_full_runs']:.2f} "
+              f"({r['in_process_full_runs_tokens_per_s']:.0f} tokens/s at {full} x {args.tokens})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": args.device, "quick": args.quick, "cpus": os.cpu_count(), "rows": rows,
