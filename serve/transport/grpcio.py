@@ -74,10 +74,8 @@ class _Handler(grpc.GenericRpcHandler):
     # a unary call's answer and its status leave in one grpcio batch (served as unary-stream, the message
     # and the status were two sends, the handler thread waiting for the first to complete)
     def _unary(self, method: str, request: bytes, context) -> bytes | None:
-        rpc = GrpcioRpc(context, method)
-        self._router.start(rpc, request)
         answer = None
-        for answer in self._answer(rpc, context):  # one message at most (Registry.answers_once), then the status
+        for answer in self._unary_stream(method, request, context):  # one message at most (Registry.answers_once)
             pass
         return answer
 
