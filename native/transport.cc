@@ -7,8 +7,10 @@
 //
 //   next(timeout)   -> every event queued since the last call, in ONE wake-up (the GIL is released while
 //                      waiting): (START, id, method, first message | None, metadata, seconds to deadline:
-//                      centuries when the client set none), (MESSAGE, id, bytes) and (HALF_CLOSE, id) for streaming methods, (CANCEL, id)
-//                      when the client or its deadline ended a call Python had not finished.
+//                      centuries when the client set none, arrival: CLOCK_MONOTONIC seconds, Python's
+//                      time.monotonic(), when the call's request had been read), (MESSAGE, id, bytes) and
+//                      (HALF_CLOSE, id) for streaming methods, (CANCEL, id) when the client or its deadline
+//                      ended a call Python had not finished.
 //   write(id, bytes)              a response message of a streaming call (sent in order)
 //   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer): handed to
 //                                the writer thread, which sends it (gRPC's write path runs off the Python thread)
@@ -32,6 +34,7 @@
 #include <thread>
 
 #include <pthread.h>
+#include <time.h>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -49,7 +52,16 @@ struct Event {
   std::optional<std::string> payload;
   std::vector<std::pair<std::string, std::string>> metadata;
   std::optional<double> remaining;
+  double arrived = 0;  // CLOCK_MONOTONIC seconds (Python's time.monotonic()): a START's arrival
 };
+
+// Now on the clock Python's time.monotonic() reads, so that a call's latency and deadline count from its arrival,
+// not from when the pump took it (under load, a burst waits for the pump: ~3 ms at 32 clients on 2 cores).
+double monotonic_now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
 
 std::string dump(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
@@ -211,7 +223,8 @@ class Transport {
           out.append(py::make_tuple(static_cast<int>(START), e.id, e.method,
                                     e.payload ? py::object(py::bytes(*e.payload)) : py::object(py::none()),
                                     metadata,
-                                    e.remaining ? py::object(py::float_(*e.remaining)) : py::object(py::none())));
+                                    e.remaining ? py::object(py::float_(*e.remaining)) : py::object(py::none()),
+                                    e.arrived));
           break;
         }
         case MESSAGE:
@@ -359,6 +372,7 @@ void Reactor::OnReadDone(bool ok) {
     }
     // seconds to the deadline as gRPC has it (no deadline: centuries; Python's Rpc reads that as none)
     e.remaining = std::chrono::duration<double>(ctx_->deadline() - std::chrono::system_clock::now()).count();
+    e.arrived = monotonic_now();
     t_->push(std::move(e));
     if (!streaming_) return;  // a unary call: one request, answered by finish()
     if (!ok) {

@@ -5,6 +5,7 @@ at a gate the test opens), real clients; every test runs on both transports."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -20,6 +21,8 @@ from tests.reliability_common import (  # noqa: E402
     wait_until,
 )
 from tests.test_kserve_v2 import infer  # noqa: E402  (the v2 helper, one home)
+from serve.transport.native import missing_reason  # noqa: E402
+from serve.transport.rpc import Rpc  # noqa: E402
 from tests.test_serve_lifecycle import GatedServer  # noqa: E402
 
 ATOL = 1e-5  # same graph, different batch-mates: float noise
@@ -153,3 +156,63 @@ def test_sigterm_under_load_loses_no_admitted_call(serve_start, serve_export_dir
     codes = assert_sigterm_under_load_answers_every_accepted_request(serve_start, serve_export_dir,
                                                                      "--transport", transport)
     assert codes
+
+
+# --- the native transport's clock: a call's latency and deadline count from its arrival, not from when the
+# pump took it (under load a burst waits for the pump: docs/performance.md "Where a request's time goes")
+needs_native = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+
+CLOCK_METHOD = "/test.Clock/Arrive"
+
+
+@pytest.fixture
+def bare_transport():
+    """The compiled transport alone, listening on a loopback port, with no pump: the test takes its events."""
+    from serve.transport.native import load_module
+
+    module = load_module()
+    transport = module.Transport()
+    port = transport.start("127.0.0.1:0", 1 << 20, None, [])
+    yield module, transport, port
+    transport.stop(0)
+
+
+def _first_start(module, transport) -> tuple:
+    """Waits for the next START event (gRPC's threads push it; `next` blocks until one is queued)."""
+    while True:
+        for event in transport.next(30.0):
+            if event[0] == module.START:
+                return event
+
+
+@needs_native
+def test_a_calls_arrival_is_stamped_on_pythons_monotonic_clock(bare_transport):
+    module, transport, port = bare_transport
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(CLOCK_METHOD)
+        before = time.monotonic()
+        future = call.future(b"request", timeout=60)
+        event = _first_start(module, transport)
+        taken = time.monotonic()
+        _, call_id, method, payload, _, remaining, arrived = event
+        assert (method, payload) == (CLOCK_METHOD, b"request")
+        assert before <= arrived <= taken
+        # the deadline gRPC holds: 60 s after the client sent it, seen from the arrival
+        assert 60 - (arrived - before) - 1.0 <= remaining <= 60
+        transport.finish(call_id, grpc.StatusCode.OK.value[0], "", b"answer")
+        assert future.result(timeout=30) == b"answer"
+
+
+def test_a_calls_deadline_counts_from_its_arrival():
+    arrived = time.monotonic() - 2.0  # the call waited 2 s for the pump
+    rpc = Rpc(CLOCK_METHOD, (), remaining=5.0, received=arrived)
+    assert rpc.received == arrived
+    assert rpc.deadline == arrived + 5.0
+    assert rpc.time_remaining() <= 3.0
+
+
+def test_a_call_with_no_arrival_given_counts_from_now():
+    before = time.monotonic()
+    rpc = Rpc(CLOCK_METHOD, (), remaining=None)
+    assert before <= rpc.received <= time.monotonic()
+    assert rpc.deadline is None and rpc.time_remaining() is None

@@ -3,7 +3,7 @@ starts and is answered (`start_task`: admit, check the route fits the model's ta
 render its result on the batcher's thread), a call answered at once (`answer_now`), and the call's deadline,
 metrics and status (`Call`):
 
-    with Call(metrics, "Encode", context) as call:   # call.received: when the handler started
+    with Call(metrics, "Encode", context) as call:   # call.received: when the call arrived (Rpc.received)
         ... raise any error ...
         return response
 

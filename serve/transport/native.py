@@ -48,8 +48,9 @@ def missing_reason() -> str | None:
 
 
 class NativeRpc(Rpc):
-    def __init__(self, owner: "NativeTransport", call_id: int, method: str, metadata, remaining) -> None:
-        super().__init__(method, metadata, remaining)
+    def __init__(self, owner: "NativeTransport", call_id: int, method: str, metadata, remaining,
+                 arrived: float) -> None:
+        super().__init__(method, metadata, remaining, received=arrived)
         self._owner, self._id = owner, call_id
 
     def _send(self, payload: bytes) -> None:
@@ -94,8 +95,8 @@ class NativeTransport:
                 kind, call_id = event[0], event[1]
                 try:
                     if kind == START:
-                        _, _, method, payload, metadata, remaining = event
-                        rpc = calls[call_id] = NativeRpc(self, call_id, method, metadata, remaining)
+                        _, _, method, payload, metadata, remaining, arrived = event
+                        rpc = calls[call_id] = NativeRpc(self, call_id, method, metadata, remaining, arrived)
                         router.start(rpc, payload)
                         continue
                     rpc = calls.get(call_id)

@@ -51,9 +51,13 @@ class Rpc:
     """One call: what the protocol adapters answer through, and the subset of grpc.ServicerContext they
     use. A transport subclasses it with `_send(payload)`, `_close(code, message, payload)`."""
 
-    def __init__(self, method: str, metadata: Iterable[tuple[str, bytes | str]], remaining: float | None) -> None:
+    def __init__(self, method: str, metadata: Iterable[tuple[str, bytes | str]], remaining: float | None,
+                 received: float | None = None) -> None:
+        """`remaining`: seconds to the call's deadline at `received` (None: none); `received`: when the call
+        arrived, on time.monotonic()'s clock (None: now). The call's latency (encoder_request_seconds) and its
+        deadline count from it."""
         self.method = method
-        self.received = time.monotonic()
+        self.received = time.monotonic() if received is None else received
         self.deadline = None if remaining is None or remaining > NO_DEADLINE_S else self.received + remaining
         self._raw_metadata = metadata  # decoded when asked (the token check, a servicer): most calls never ask
         self._metadata: tuple | None = None
