@@ -107,14 +107,15 @@ def serve_long_export_dir(tmp_path_factory) -> Path:
     return Path(export_model(config, tmp_path_factory.mktemp("serve-long"), graphs=("long",)).directory)
 
 
-def _transports():
+def _needs_native():
     from serve.transport.native import missing_reason
 
     reason = missing_reason()  # None where it is built (make native)
-    return [pytest.param("native", marks=pytest.mark.skipif(reason is not None, reason=str(reason))), "grpcio"]
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
 
 
-TRANSPORTS = _transports()  # tests that run on each transport: parametrize over these
+NEEDS_NATIVE = _needs_native()  # a test of the native transport itself: skipped where it is not built
+TRANSPORTS = [pytest.param("native", marks=NEEDS_NATIVE), "grpcio"]  # tests that run on each transport
 
 
 @dataclass

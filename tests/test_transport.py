@@ -15,14 +15,13 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from client import EncoderClient, build_request  # noqa: E402
 from serve.protocols.pb import pb_grpc  # noqa: E402
-from tests.conftest import TRANSPORTS  # noqa: E402
+from serve.transport.rpc import Rpc  # noqa: E402
+from tests.conftest import NEEDS_NATIVE, TRANSPORTS  # noqa: E402
 from tests.reliability_common import (  # noqa: E402
     assert_sigterm_under_load_answers_every_accepted_request,
     wait_until,
 )
 from tests.test_kserve_v2 import infer  # noqa: E402  (the v2 helper, one home)
-from serve.transport.native import missing_reason  # noqa: E402
-from serve.transport.rpc import Rpc  # noqa: E402
 from tests.test_serve_lifecycle import GatedServer  # noqa: E402
 
 ATOL = 1e-5  # same graph, different batch-mates: float noise
@@ -160,8 +159,6 @@ def test_sigterm_under_load_loses_no_admitted_call(serve_start, serve_export_dir
 
 # --- the native transport's clock: a call's latency and deadline count from its arrival, not from when the
 # pump took it (under load a burst waits for the pump: docs/performance.md "Where a request's time goes")
-needs_native = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
-
 CLOCK_METHOD = "/test.Clock/Arrive"
 
 
@@ -177,15 +174,17 @@ def bare_transport():
     transport.stop(0)
 
 
-def _first_start(module, transport) -> tuple:
-    """Waits for the next START event (gRPC's threads push it; `next` blocks until one is queued)."""
-    while True:
-        for event in transport.next(30.0):
+def _first_start(module, transport, within_s: float = 60.0) -> tuple:
+    """The next START event (gRPC's threads push it; `next` blocks until one is queued), failing after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for event in transport.next(deadline - time.monotonic()):
             if event[0] == module.START:
                 return event
+    raise AssertionError(f"no call reached the transport within {within_s:g} s")
 
 
-@needs_native
+@NEEDS_NATIVE
 def test_a_calls_arrival_is_stamped_on_pythons_monotonic_clock(bare_transport):
     module, transport, port = bare_transport
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
