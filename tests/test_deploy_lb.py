@@ -144,7 +144,10 @@ def _lb_rows(project: LbProject, backend: str) -> list[dict[str, str]]:
     url = f"http://127.0.0.1:{project.stats_port}/stats;csv"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode().lstrip("# ")
-    return [row for row in csv.DictReader(io.StringIO(text)) if row["pxname"] == backend]
+    rows = [row for row in csv.DictReader(io.StringIO(text)) if row["pxname"] == backend]
+    for row in rows:  # "* L7TOUT": the last check's status while the next one runs (HAProxy's management.txt)
+        row["check_status"] = row.get("check_status", "").removeprefix("* ")
+    return rows
 
 
 def _lb_servers(project: LbProject, backend: str = "serve") -> dict[str, dict[str, str]]:
