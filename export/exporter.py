@@ -25,6 +25,7 @@ from export.cases import MaskSpec, make_feeds, validation_cases
 from export.contract import MAX_IR_VERSION, ExportContract
 from export.graphs import GRAPHS, LONG, resolve
 from export.long_graphs import translation_table
+from export import trace_cache
 from export.metadata import build_metadata
 from export.validate import ValidationReport, validate
 from model.attention_paths import DENSE, MAX_SEQUENCE, long_path
@@ -77,6 +78,12 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
         param[spec.name]: {i: axis[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
         for spec in contract.inputs
     }
+    trace_cache.traced(model, contract, path, external_data,
+                       lambda out: _trace(model, contract, out, kwargs, dynamic, external_data))
+
+
+def _trace(model: Encoder, contract: ExportContract, path: Path, kwargs: dict, dynamic: dict,
+           external_data: bool) -> None:
     # Traced in inference mode: no autograd bookkeeping while torch.export traces and decomposes the model
     # (13 % less time on the tiny models of the suite; the same graphs: docs/export-format.md).
     with warnings.catch_warnings(), torch.inference_mode():

@@ -286,6 +286,32 @@ def serve_features_export_dir(tmp_path_factory) -> Path:
     return Path(export_model(config, tmp_path_factory.mktemp("serve-features"), long_length=20).directory)
 
 
+# --- one torch.onnx trace per model and run (export/trace_cache.py) ---------------------------------
+
+
+def pytest_configure(config):
+    """The controller (or a run without workers) makes the run's trace cache; workers and the export CLIs
+    the tests start inherit it through the environment. A cache named in the environment is kept."""
+    from export.trace_cache import ENV
+
+    if hasattr(config, "workerinput") or os.environ.get(ENV):
+        return
+    import tempfile
+
+    config._trace_cache = os.environ[ENV] = tempfile.mkdtemp(prefix="encoder-trace-cache-")
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_trace_cache", None)
+    if made:
+        import shutil
+
+        from export.trace_cache import ENV
+
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(ENV, None)
+
+
 # --- pytest-xdist (`make test` runs two workers: tests/parallel.py) ------------------------------------
 
 
