@@ -7,7 +7,7 @@ ENV at one directory for the run, and export_onnx (export/exporter.py) reuses a 
 the same inputs. Everything after the trace (the graph variants, validation against PyTorch, metadata)
 runs every time.
 
-The key is everything the trace reads: the model's weights and buffers, its config, the contract (attention
+The key is everything the trace reads: the model's weights and buffers, its config but for its name (the graph does not hold it), the contract (attention
 path, opset, inputs), the source of model/ and export/, the functions and constants of their modules as
 loaded at the time (so a test that patches one, as tests/test_long_attention.py does, gets a key of its
 own), and the torch, onnx and onnxscript versions. Unset (the default, and every user's export), nothing
@@ -108,7 +108,8 @@ def key(model: "torch.nn.Module", contract, external_data: bool) -> str:
 
     digest = hashlib.sha256(_code_and_versions())
     _live(digest)
-    digest.update(json.dumps(to_dict(contract.config), sort_keys=True, default=str).encode())
+    config = {k: v for k, v in to_dict(contract.config).items() if k != "name"}  # the graph does not hold the name
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(repr((contract.path, contract.opset, [s.as_dict() for s in contract.inputs],
                         [s.name for s in contract.outputs], external_data)).encode())
     for name, tensor in model.state_dict().items():
