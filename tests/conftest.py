@@ -291,7 +291,7 @@ def serve_features_export_dir(tmp_path_factory) -> Path:
 
 def pytest_configure(config):
     """The controller (or a run without workers) makes the run's trace cache; workers and the export CLIs
-    the tests start inherit it through the environment. A cache named in the environment is kept."""
+    the tests start inherit it through the environment. A cache named in the environment (or `off`) is kept."""
     from export.trace_cache import ENV
 
     if hasattr(config, "workerinput") or os.environ.get(ENV):

@@ -44,6 +44,17 @@ def test_without_the_variable_nothing_is_cached(tmp_path, monkeypatch, tiny_conf
     assert len(calls) == 2
 
 
+def test_off_turns_the_cache_off(tmp_path, monkeypatch, tiny_config):
+    monkeypatch.setenv(trace_cache.ENV, trace_cache.OFF)
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
+    for _ in range(2):
+        trace_cache.traced(model, contract, tmp_path / "g.onnx", False,
+                           lambda path: calls.append(path.write_bytes(b"g")))
+    assert len(calls) == 2 and not (tmp_path / trace_cache.OFF).exists()
+
+
 def test_a_hit_copies_the_entry_without_tracing(cache, tmp_path, tiny_config):
     calls = []
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
