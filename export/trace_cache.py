@@ -31,6 +31,7 @@ from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from model import onnx_files
 from model.config import to_dict
 
 if TYPE_CHECKING:
@@ -129,8 +130,8 @@ def traced(model: "torch.nn.Module", contract, path: Path, external_data: bool,
     """Writes the graph `trace` would write to `path`, from the cache when it holds it; returns True on a hit.
     Without a cache directory, or for external weights, simply calls trace(path)."""
     where = directory()
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    if where is None or external_data or weights > MAX_BYTES:
+    if where is None or external_data or sum(t.numel() * t.element_size()
+                                             for t in model.state_dict().values()) > MAX_BYTES:
         trace(path)
         return False
     entry = where / f"{key(model, contract, external_data)}.onnx"
@@ -138,7 +139,7 @@ def traced(model: "torch.nn.Module", contract, path: Path, external_data: bool,
         shutil.copyfile(entry, path)
         return True
     trace(path)
-    if len(list(path.parent.glob(f"{path.name}*"))) == 1:  # one self-contained file (no external weights)
+    if not onnx_files.is_external(path):  # one self-contained file
         where.mkdir(parents=True, exist_ok=True)
         handle, staging = tempfile.mkstemp(dir=where, prefix=".entry-")
         os.close(handle)

@@ -3,7 +3,10 @@ written, and anything the trace reads (weights, contract, patched code) changes 
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.helper
+import onnx.numpy_helper
 import pytest
 
 import export.exporter  # noqa: F401  (the modules a key covers are those export.exporter reaches)
@@ -13,6 +16,15 @@ from export.contract import ExportContract
 from export.exporter import export_model
 from model.attention_paths import SPARSE
 from model.encoder import build_encoder
+
+
+def _graph(path, external: bool = False) -> None:
+    """A one-node graph standing in for torch.onnx's, its weight inside the file or beside it."""
+    weight = onnx.numpy_helper.from_array(np.ones(64, dtype=np.float32), "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [64])], [weight])
+    onnx.save_model(onnx.helper.make_model(graph), str(path), save_as_external_data=external,
+                    location=path.name + ".data", size_threshold=0)
 
 
 @pytest.fixture
@@ -40,7 +52,7 @@ def test_without_the_variable_nothing_is_cached(tmp_path, monkeypatch, tiny_conf
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
     for _ in range(2):
         assert not trace_cache.traced(model, contract, tmp_path / "g.onnx", False,
-                                      lambda path: calls.append(path.write_bytes(b"graph")))
+                                      lambda path: calls.append(_graph(path)))
     assert len(calls) == 2
 
 
@@ -51,27 +63,24 @@ def test_off_turns_the_cache_off(tmp_path, monkeypatch, tiny_config):
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
     for _ in range(2):
         trace_cache.traced(model, contract, tmp_path / "g.onnx", False,
-                           lambda path: calls.append(path.write_bytes(b"g")))
+                           lambda path: calls.append(_graph(path)))
     assert len(calls) == 2 and not (tmp_path / trace_cache.OFF).exists()
 
 
 def test_a_hit_copies_the_entry_without_tracing(cache, tmp_path, tiny_config):
     calls = []
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
-    trace = lambda path: calls.append(path.write_bytes(b"graph"))  # noqa: E731  (the graph torch.onnx would write)
+    trace = lambda path: calls.append(_graph(path))  # noqa: E731  (the graph torch.onnx would write)
     assert not trace_cache.traced(model, contract, tmp_path / "a.onnx", False, trace)
     assert trace_cache.traced(model, contract, tmp_path / "b.onnx", False, trace)
-    assert len(calls) == 1 and (tmp_path / "b.onnx").read_bytes() == b"graph"
+    assert len(calls) == 1 and (tmp_path / "b.onnx").read_bytes() == (tmp_path / "a.onnx").read_bytes()
 
 
 def test_a_trace_with_external_weights_is_not_cached(cache, tmp_path, tiny_config):
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
 
-    def trace(path):
-        path.write_bytes(b"graph")
-        path.with_name(path.name + ".data").write_bytes(b"weights")
-
-    trace_cache.traced(model, contract, tmp_path / "g.onnx", False, trace)
+    trace_cache.traced(model, contract, tmp_path / "g.onnx", False, lambda path: _graph(path, external=True))
+    assert (tmp_path / "g.onnx.data").exists()
     assert not cache.exists() or not list(cache.glob("*.onnx"))
 
 
