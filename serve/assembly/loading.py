@@ -111,6 +111,8 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
     warm_s = backend.warm_up() if config.warmup and hasattr(backend, "warm_up") else 0.0
     backend.health()
     probe(backend, export)
+    if hasattr(backend, "calibrate_one_thread"):  # which runs are too small to share (serve/backend/session.py)
+        backend.calibrate_one_thread(RunCost.for_config(export.config, 0.0).work)
     run_cost = run_cost_for(backend, export.config, config)
     batcher = Batcher(
         backend, export.config,

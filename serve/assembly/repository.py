@@ -17,7 +17,7 @@ or encoder.v1.AdminService:
 One change at a time (a lock); requests to every model flow meanwhile.
 
 The memory budget (`--memory-budget-mb`; 0: MEMORY_SHARE of the memory this process may use): a
-load whose estimate (the graph files it loads; twice the dense graph where a wide session is made)
+load whose estimate (the graph files it loads; the dense graph once per session of it: session_plan)
 would take the models past it is refused RESOURCE_EXHAUSTED, naming the budget, what is in use and
 by which models. Once loaded, a model holds the larger of its estimate and the resident memory the
 process grew by while loading it (loads run one at a time), reported in GetModelInfo and
@@ -38,6 +38,7 @@ from model.export_format import repository_folders
 from serve import logs
 from serve.assembly.loading import BackendFactory, auto_graphs, build_engine
 from serve.backend.export_dir import load_export
+from serve.backend.session import session_plan
 from serve.config import ServerConfig, least_run_slots
 from serve.core.admission import Admission, names
 from serve.core.attention_budget import available_memory, gib
@@ -260,14 +261,14 @@ class ModelRepository:
         return _Held()
 
     def _estimate(self, path: Path, graph: str) -> int:
-        """Bytes a model's sessions hold, before loading it: its graph files (the dense one twice where
-        a wide session is made: serve/backend/session.py)."""
+        """Bytes a model's sessions hold, before loading it: its graph files (the dense one once per session
+        of it: serve/backend/session.py session_plan)."""
         export = load_export(path, graph, verify=False, auto=auto_graphs(self.config.device),
                              long_paths=self.config.long_paths)
         c = self.config
-        wide = c.device == "cpu" and not c.intra_op_threads and c.instances > 1
         dense = export.file_bytes(export.graph_path)  # with its external weights
-        return dense * (2 if wide else 1) + sum(export.file_bytes(p) for _, p in export.long_graphs)
+        plan = session_plan(c.device, c.intra_op_threads, c.instances, dense, len(os.sched_getaffinity(0)))
+        return dense * plan.copies + sum(export.file_bytes(p) for _, p in export.long_graphs)
 
     def _build(self, name: str, path: Path, graph: str, replacing: str) -> Engine:
         """A started engine for the export at `path` that passed every check and fits the budget; its

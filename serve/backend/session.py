@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -99,6 +99,61 @@ def choose_providers(device: str, cuda_device_id: int, available: list[str], tf3
     return [(CUDA, cuda_options(cuda_device_id, tf32)), CPU]
 
 
+# Where a run is too small to share: a dense graph up to this size gets a 1-thread session beside its
+# multi-thread one (the weights a second time, so small models only), and runs whose work is below the
+# crossover measured at start (OnnxRuntimeBackend.calibrate_one_thread) take it. On this project's 2-vCPU
+# hosts a (1, 128) run of a 1-layer, 32-wide encoder took 0.85 ms on 1 thread and 1.00 ms on 2; a 4-layer,
+# 256-wide one 16.0 against 10.7 ms (docs/performance.md "Small runs on one thread").
+ONE_THREAD_MAX_GRAPH_BYTES = 32 << 20
+ONE_THREAD_SHAPES = ((1, 16), (4, 128), (8, 256))  # (rows, length) timed on both sessions; capped at the position limit
+ONE_THREAD_IDLE_S = 0.001  # the pause before each timed run (back to back, the other threads are still awake)
+ONE_THREAD_PAIRS_S = 0.15  # about how long each shape's timings take (5 to 31 pairs)
+
+
+def one_thread_below(gains: list[tuple[float, float]]) -> float:
+    """The run work (batch_plan.RunCost.work) below which one intra-op thread is faster than several, from
+    (work, seconds saved on one thread) at shapes of growing work: 0 when one thread is not faster at the
+    smallest; the largest shape's work when it is faster at every one (never extrapolated past what was
+    measured); else where the gain, straight between the last shape it was positive at and the next, is 0."""
+    if not gains or gains[0][1] <= 0:
+        return 0.0
+    for (work, gain), (next_work, next_gain) in zip(gains, gains[1:]):
+        if next_gain <= 0:
+            return float(work + gain / (gain - next_gain) * (next_work - work))
+    return float(gains[-1][0])
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """The sessions of the dense graph a backend loads: one home for OnnxRuntimeBackend and the repository's
+    memory estimate (serve/assembly/repository.py)."""
+
+    threads: int  # the main (narrow) session's intra-op threads
+    wide: bool  # a second session on every CPU, for batches that run alone
+    one_thread_runs: bool  # runs too small to share may take a 1-thread session (calibrate_one_thread)
+
+    @property
+    def separate_one_thread(self) -> bool:
+        """A session of its own for those runs (the narrow one serves them where it has one thread)."""
+        return self.one_thread_runs and self.threads > 1
+
+    @property
+    def copies(self) -> int:
+        """How many times the dense graph's weights are held."""
+        return 1 + self.wide + self.separate_one_thread
+
+
+def session_plan(device: str, intra_op_threads: int, instances: int, graph_bytes: int, cpus: int) -> SessionPlan:
+    """What OnnxRuntimeBackend loads for a dense graph of `graph_bytes` on `cpus` CPUs. An explicit thread
+    count (--intra-op-threads) is kept for every run: no wide and no 1-thread session then."""
+    # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
+    # With `instances` batches running at once, each gets its share of the CPUs.
+    threads = int(intra_op_threads) or max(1, cpus // max(1, instances))
+    automatic = device == "cpu" and not intra_op_threads
+    return SessionPlan(threads=threads, wide=automatic and threads < cpus,
+                       one_thread_runs=automatic and cpus > 1 and graph_bytes <= ONE_THREAD_MAX_GRAPH_BYTES)
+
+
 def spin_entries(policy: str) -> tuple[tuple[str, str], ...]:
     """ONNX Runtime's session settings for a ServerConfig.intra_op_spin policy."""
     return {"run": (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1")),
@@ -121,10 +176,9 @@ class OnnxRuntimeBackend:
         providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # An explicit count measured 10-30% faster than onnxruntime's own default (docs/performance.md).
-        # With `instances` batches running at once, each gets its share of the CPUs.
         cpus = len(os.sched_getaffinity(0))
-        options.intra_op_num_threads = int(intra_op_threads) or max(1, cpus // max(1, instances))
+        plan = session_plan(device, intra_op_threads, instances, export.file_bytes(export.graph_path), cpus)
+        options.intra_op_num_threads = plan.threads
         spinning = spin_entries(intra_op_spin)  # ServerConfig.intra_op_spin: every session of this backend alike
         for key, value in spinning:
             options.add_session_config_entry(key, value)
@@ -133,7 +187,7 @@ class OnnxRuntimeBackend:
         # a lone client) gets a second session of the dense graph on every CPU, so instances cost a lone
         # request no latency (docs/serving.md "Instances"). Its price: the dense weights twice in memory.
         self.wide = None
-        if device == "cpu" and not intra_op_threads and options.intra_op_num_threads < cpus:
+        if plan.wide:
             wide_options = ort.SessionOptions()
             wide_options.graph_optimization_level = options.graph_optimization_level
             wide_options.intra_op_num_threads = cpus
@@ -143,6 +197,23 @@ class OnnxRuntimeBackend:
         # runs of the narrow session at once that fill every CPU: a batch that runs alone and splits into several
         # runs takes them (serve/core/runs.py); 1 where there is no wide session
         self.parallel_runs = max(1, cpus // options.intra_op_num_threads) if self.wide is not None else 1
+        # A run too small to share its work pays more for waking the other intra-op threads than they save it:
+        # those run on one thread (ONE_THREAD_MAX_GRAPH_BYTES). The narrow session where it has one thread, else
+        # a session of its own; none where the thread count was pinned (--intra-op-threads) or on a GPU. Which
+        # runs take it is measured at start (calibrate_one_thread); until then, none.
+        self.one_thread = None
+        self.one_thread_below = 0.0  # runs of less work (`_work`: batch_plan.RunCost.work) take `one_thread`
+        self._work: Callable[[int, int], float] | None = None
+        if plan.one_thread_runs:
+            if not plan.separate_one_thread:
+                self.one_thread = self.session
+            else:
+                one_options = ort.SessionOptions()
+                one_options.graph_optimization_level = options.graph_optimization_level
+                one_options.intra_op_num_threads = 1
+                for key, value in spinning:
+                    one_options.add_session_config_entry(key, value)
+                self.one_thread = self._load(ort, export.graph_path, one_options, providers, device)
         # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
         # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
         # RSS measured 2.16 GiB with it, 1.40 GiB without; docs/performance.md).
@@ -204,11 +275,63 @@ class OnnxRuntimeBackend:
     def has_wide(self) -> bool:
         return self.wide is not None
 
+    def session_for(self, batch: Mapping[str, np.ndarray], path: str = DENSE, wide: bool = False):
+        """The session that runs `batch`: the path's; on the dense path, the 1-thread one for a run below
+        `one_thread_below`, else the wide one for a batch that runs alone (`wide`) where there is one."""
+        if path != DENSE:
+            return self.sessions[path]
+        if self.one_thread_below and self._work(*batch["attention_mask"].shape) < self.one_thread_below:
+            return self.one_thread
+        return self.wide if wide and self.wide is not None else self.session
+
+    def use_one_thread_below(self, below: float, work: Callable[[int, int], float]) -> None:
+        """Runs whose `work(rows, length)` is below `below` take the 1-thread session (0: none does)."""
+        self.one_thread_below, self._work = (below, work) if self.one_thread is not None else (0.0, None)
+
+    def calibrate_one_thread(self, work: Callable[[int, int], float]) -> float:
+        """Times ONE_THREAD_SHAPES, least `work(rows, length)` first (the batcher's cost model,
+        serve/core/batch_plan.py RunCost.work, handed down), on the 1-thread session and on the one with the
+        most threads (medians, taking turns, each run after a pause) and sets `one_thread_below` where one
+        thread stops being faster (module function `one_thread_below`); a separate 1-thread session that is
+        never faster is dropped (its memory back). Returns the threshold (0: every run on the multi-thread
+        sessions)."""
+        if self.one_thread is None:
+            return 0.0
+        limit = self.config.position_limit
+        shapes = [(rows, min(length, limit) if limit else length) for rows, length in ONE_THREAD_SHAPES]
+        multi = self.wide if self.wide is not None else self.session
+        gains, median = [], {}
+        for shape in sorted(dict.fromkeys(shapes), key=lambda shape: work(*shape)):
+            feeds, took = dummy_batch(self.config, *shape), {"one": [], "multi": []}
+            started = time.perf_counter()
+            multi.run([self.outputs[1]], feeds)
+            # as many pairs as fit ONE_THREAD_PAIRS_S (a short run's gain is small beside its noise), within bounds
+            pairs = int(min(max(ONE_THREAD_PAIRS_S / (2 * (time.perf_counter() - started)), 5), 31))
+            for _ in range(pairs):
+                for name, session in (("one", self.one_thread), ("multi", multi)):
+                    time.sleep(ONE_THREAD_IDLE_S)  # as a request after a pause finds it: the pool's threads asleep
+                    started = time.perf_counter()
+                    session.run([self.outputs[1]], feeds)
+                    took[name].append(time.perf_counter() - started)
+            for name, times in took.items():
+                median[name, shape] = float(np.median(times))
+            gains.append((work(*shape), median["multi", shape] - median["one", shape]))
+            if gains[-1][1] <= 0:  # one_thread_below looks no further
+                break
+        below = one_thread_below(gains)
+        self.use_one_thread_below(below, work)
+        logs.event(log, "one_thread_runs", below_work=f"{below:.0f}",
+                   **{f"{name}_{rows}x{length}_ms": f"{1e3 * seconds:.3f}"
+                      for (name, (rows, length)), seconds in median.items()})
+        if not below and self.one_thread is not self.session:
+            self.one_thread = None
+        return below
+
     def encode(self, batch: Mapping[str, np.ndarray], path: str = DENSE, *,
                wide: bool = False, hidden: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
         """`wide`: run on every CPU (the batch runs alone), where there is a wide session. `hidden` False: only
         the per-row output is fetched (no caller of the run asked for hidden states), (None, it)."""
-        session = self.wide if wide and path == DENSE and self.wide is not None else self.sessions[path]
+        session = self.session_for(batch, path, wide)
         try:
             if not hidden:
                 return None, session.run([self.outputs[1]], dict(batch))[0]
@@ -229,6 +352,8 @@ class OnnxRuntimeBackend:
             self.encode(batch)
             if self.wide is not None:
                 self.encode(batch, wide=True)
+            if self.one_thread is not None and self.one_thread is not self.session:
+                self.one_thread.run(list(self.outputs), batch)
         return time.perf_counter() - started
 
 
