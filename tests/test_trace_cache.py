@@ -16,6 +16,7 @@ from export.contract import ExportContract
 from export.exporter import export_model
 from model.attention_paths import SPARSE
 from model.encoder import build_encoder
+from model.onnx_files import data_file_name
 
 
 def _graph(path, external: bool = False) -> None:
@@ -24,7 +25,7 @@ def _graph(path, external: bool = False) -> None:
     graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["w"], ["y"])], "g", [],
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [64])], [weight])
     onnx.save_model(onnx.helper.make_model(graph), str(path), save_as_external_data=external,
-                    location=path.name + ".data", size_threshold=0)
+                    location=data_file_name(path), size_threshold=0)
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_a_trace_with_external_weights_is_not_cached(cache, tmp_path, tiny_confi
     model, contract = build_encoder(tiny_config), ExportContract(tiny_config)
 
     trace_cache.traced(model, contract, tmp_path / "g.onnx", False, lambda path: _graph(path, external=True))
-    assert (tmp_path / "g.onnx.data").exists()
+    assert (tmp_path / data_file_name("g.onnx")).exists()
     assert not cache.exists() or not list(cache.glob("*.onnx"))
 
 
