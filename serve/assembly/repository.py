@@ -267,7 +267,7 @@ class ModelRepository:
                              long_paths=self.config.long_paths)
         c = self.config
         dense = export.file_bytes(export.graph_path)  # with its external weights
-        plan = session_plan(c.device, c.intra_op_threads, c.instances, dense, len(os.sched_getaffinity(0)))
+        plan = session_plan(c.device, c.intra_op_threads, c.instances, dense)
         return dense * plan.copies + sum(export.file_bytes(p) for _, p in export.long_graphs)
 
     def _build(self, name: str, path: Path, graph: str, replacing: str) -> Engine:
