@@ -177,26 +177,26 @@ class OnnxRuntimeBackend:
         self.outputs = (export.hidden_output, export.row_output)
         available = offered_providers(ort.get_available_providers())
         providers = choose_providers(device, cuda_device_id, available, cuda_tf32)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        spinning = spin_entries(intra_op_spin)  # ServerConfig.intra_op_spin: every session of this backend alike
+
+        def session_options(threads: int):
+            made = ort.SessionOptions()
+            made.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            made.intra_op_num_threads = threads
+            for key, value in spinning:
+                made.add_session_config_entry(key, value)
+            return made
+
         cpus = len(os.sched_getaffinity(0))  # the wide session's threads
         plan = session_plan(device, intra_op_threads, instances, export.file_bytes(export.graph_path), cpus)
-        options.intra_op_num_threads = plan.threads
-        spinning = spin_entries(intra_op_spin)  # ServerConfig.intra_op_spin: every session of this backend alike
-        for key, value in spinning:
-            options.add_session_config_entry(key, value)
+        options = session_options(plan.threads)
         self.session = self._load(ort, export.graph_path, options, providers, device)
         # With instances sharing the CPUs, a batch that runs alone (no other batch running, none queued:
         # a lone client) gets a second session of the dense graph on every CPU, so instances cost a lone
         # request no latency (docs/serving.md "Instances"). Its price: the dense weights twice in memory.
         self.wide = None
         if plan.wide:
-            wide_options = ort.SessionOptions()
-            wide_options.graph_optimization_level = options.graph_optimization_level
-            wide_options.intra_op_num_threads = cpus
-            for key, value in spinning:
-                wide_options.add_session_config_entry(key, value)
-            self.wide = self._load(ort, export.graph_path, wide_options, providers, device)
+            self.wide = self._load(ort, export.graph_path, session_options(cpus), providers, device)
         # runs of the narrow session at once that fill every CPU: a batch that runs alone and splits into several
         # runs takes them (serve/core/runs.py); 1 where there is no wide session
         self.parallel_runs = max(1, cpus // options.intra_op_num_threads) if self.wide is not None else 1
@@ -211,21 +211,12 @@ class OnnxRuntimeBackend:
             if not plan.separate_one_thread:
                 self.one_thread = self.session
             else:
-                one_options = ort.SessionOptions()
-                one_options.graph_optimization_level = options.graph_optimization_level
-                one_options.intra_op_num_threads = 1
-                for key, value in spinning:
-                    one_options.add_session_config_entry(key, value)
-                self.one_thread = self._load(ort, export.graph_path, one_options, providers, device)
+                self.one_thread = self._load(ort, export.graph_path, session_options(1), providers, device)
         # The long-input graphs run without ONNX Runtime's CPU arena: their runs are long (malloc is
         # nothing beside them), and an arena keeps every run's peak (a 32k-token run's peak
         # RSS measured 2.16 GiB with it, 1.40 GiB without; docs/performance.md).
-        long_options = ort.SessionOptions()
-        long_options.graph_optimization_level = options.graph_optimization_level
-        long_options.intra_op_num_threads = options.intra_op_num_threads
+        long_options = session_options(plan.threads)
         long_options.enable_cpu_mem_arena = False
-        for key, value in spinning:
-            long_options.add_session_config_entry(key, value)
         # Nor do they pre-pack their weights (MLAS' packed copy of each MatMul's B, made at load and held
         # per session): the dense session holds its own packed copy, and a long graph's would be a second
         # one from the start. Unpacked, a long graph reads its weights where ONNX Runtime put them (an
