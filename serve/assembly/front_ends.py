@@ -56,6 +56,11 @@ CALL_THREADS = 4  # repository calls at once (a second load is refused at once a
 RESTART_S = (0.2, 10.0)  # a dead front end's restart delay: first, and at most (doubling)
 LISTEN_TIMEOUT_S = 300.0  # a front end's start: imports, its tokenizers, its transports
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Linux (>= 5.14): 1 hands the connections waiting at a closing listener (its accept queue, its handshakes) to
+# another listener of the same SO_REUSEPORT port; 0, the kernel's default, resets them. A front end killed while
+# clients connect (the OOM killer) holds its listener open until its teardown ends, some ms: with 0 the
+# connections that reach it meanwhile fail too (measured: docs/serving.md "Front ends", Failures)
+MIGRATE_SYSCTL = "/proc/sys/net/ipv4/tcp_migrate_req"
 
 
 class EngineService:
@@ -184,6 +189,16 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket | None, int]:
     return held, held.getsockname()[1]
 
 
+def queued_connections_migrate() -> bool | None:
+    """Whether the kernel hands the connections waiting at a closing listener to the port's other listeners
+    (MIGRATE_SYSCTL); None where it cannot tell (not Linux, a kernel before 5.14)."""
+    try:
+        with open(MIGRATE_SYSCTL) as value:
+            return value.read().strip() != "0"
+    except OSError:
+        return None
+
+
 class FrontEnds:
     def __init__(self, config: ServerConfig, folder: str, multiproc_dir: str) -> None:
         self.config = config
@@ -207,6 +222,10 @@ class FrontEnds:
         return {**os.environ, **fields, MULTIPROC_ENV: self.multiproc_dir}
 
     def start(self) -> None:
+        if queued_connections_migrate() is False:
+            logs.event(log, "front_end_queue_not_migrated", logging.WARNING, sysctl="net.ipv4.tcp_migrate_req=0",
+                       effect="a front end that dies resets the connections still waiting at its listener",
+                       fix="net.ipv4.tcp_migrate_req=1 (docker-compose.yml sets it)")
         for index in range(self.count):
             self._spawn(index)
             threading.Thread(target=self._watch, args=(index,), name=f"front-end-{index}", daemon=True).start()
