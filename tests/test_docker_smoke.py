@@ -123,7 +123,9 @@ def test_cpu_service_serves_encode_from_the_compose_volume(project, serve_export
                           container]).stdout.split()
     assert user == "10001:10001" and restart == "unless-stopped"
     # In its own network namespace, a front end that dies hands its waiting connections on (docker-compose.yml)
-    migrate = _run([DOCKER, "exec", container, "cat", "/proc/sys/net/ipv4/tcp_migrate_req"]).stdout.strip()
+    from serve.assembly.front_ends import MIGRATE_SYSCTL_PATH
+
+    migrate = _run([DOCKER, "exec", container, "cat", MIGRATE_SYSCTL_PATH]).stdout.strip()
     assert migrate == "1", migrate
 
     from model.mask_kinds import MaskKind

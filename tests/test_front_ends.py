@@ -217,8 +217,9 @@ def _serves(client: Connection, model: str) -> bool:
 def _load(server, stop: threading.Event, outcomes: list, lock: threading.Lock, clients: int = 6, *,
           reconnect: bool = False, reaped=None, late: list | None = None) -> list:
     """`clients` threads, each on its own connection, sending until `stop`. After a failed call a client stops
-    (a client without retries), or with `reconnect` opens a new connection and goes on; with `reaped` (a
-    callable: the dead front end is gone) a failure on a connection opened once it was is added to `late`."""
+    (a client without retries), or with `reconnect` opens a new connection and goes on. Each call adds (client,
+    result) to `outcomes`; with `reaped` (a callable: the dead front end is gone) a failure on a connection opened
+    once it was is added to `late` too."""
     def run(seed: int) -> None:
         rng = np.random.default_rng(seed)
         client, opened_late = Connection(server), False
@@ -231,7 +232,7 @@ def _load(server, stop: threading.Event, outcomes: list, lock: threading.Lock, c
                 except grpc.RpcError as error:
                     result = error.code().name
                 with lock:
-                    outcomes.append((seed, result) if reaped else result)
+                    outcomes.append((seed, result))
                     if result != "OK" and opened_late:
                         late.append((seed, result))
                 if result != "OK":
@@ -249,12 +250,16 @@ def _load(server, stop: threading.Event, outcomes: list, lock: threading.Lock, c
     return threads
 
 
+def _results(outcomes: list) -> list[str]:
+    return [result for _, result in list(outcomes)]
+
+
 def test_a_killed_front_end_is_replaced_and_only_calls_it_held_fail(serve_start, serve_export_dir):
     server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
     stop, lock, outcomes, late, clients = threading.Event(), threading.Lock(), [], [], 6
     threads = _load(server, stop, outcomes, lock, clients, reconnect=True, late=late,
                     reaped=lambda: "event=front_end_died" in server.log())  # logged once the engine reaped it
-    assert wait_until(lambda: [r for _, r in outcomes].count("OK") >= 50, 60)
+    assert wait_until(lambda: _results(outcomes).count("OK") >= 50, 60)
     victim = server.front_ends[0]
     os.kill(victim, signal.SIGKILL)
     assert wait_until(lambda: server.log().count("event=front_end_started index=0") >= 2, 60)  # started again
@@ -265,7 +270,7 @@ def test_a_killed_front_end_is_replaced_and_only_calls_it_held_fail(serve_start,
     for thread in threads:
         thread.join(60)
     assert not any(t.is_alive() for t in threads), "a call hung"
-    results = [r for _, r in outcomes]
+    results = _results(outcomes)
     assert "WRONG" not in results
     assert set(results) <= {"OK", "UNAVAILABLE", "CANCELLED"}, set(results)
     # Only the calls the dead front end held failed: those on its connections, and those on connections that
@@ -302,13 +307,14 @@ def test_a_killed_engine_fails_every_call_at_once_and_the_front_ends_exit(serve_
     server = serve_start(serve_export_dir, "--front-ends", FRONT_ENDS)
     stop, lock, outcomes = threading.Event(), threading.Lock(), []
     threads = _load(server, stop, outcomes, lock)
-    assert wait_until(lambda: outcomes.count("OK") >= 50, 60)
+    assert wait_until(lambda: _results(outcomes).count("OK") >= 50, 60)
     _kill_engine(server)
     stop.set()
     for thread in threads:
         thread.join(60)
     assert not any(t.is_alive() for t in threads), "a call hung"
-    assert "WRONG" not in outcomes and set(outcomes) <= {"OK", "UNAVAILABLE"}, set(outcomes)
+    results = _results(outcomes)
+    assert "WRONG" not in results and set(results) <= {"OK", "UNAVAILABLE"}, set(results)
     assert "event=engine_gone" in server.log()
 
 

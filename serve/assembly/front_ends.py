@@ -60,7 +60,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # another listener of the same SO_REUSEPORT port; 0, the kernel's default, resets them. A front end killed while
 # clients connect (the OOM killer) holds its listener open until its teardown ends, some ms: with 0 the
 # connections that reach it meanwhile fail too (measured: docs/serving.md "Front ends", Failures)
-MIGRATE_SYSCTL = "/proc/sys/net/ipv4/tcp_migrate_req"
+MIGRATE_SYSCTL = "net.ipv4.tcp_migrate_req"
+MIGRATE_SYSCTL_PATH = "/proc/sys/" + MIGRATE_SYSCTL.replace(".", "/")
 
 
 class EngineService:
@@ -193,7 +194,7 @@ def queued_connections_migrate() -> bool | None:
     """Whether the kernel hands the connections waiting at a closing listener to the port's other listeners
     (MIGRATE_SYSCTL); None where it cannot tell (not Linux, a kernel before 5.14)."""
     try:
-        with open(MIGRATE_SYSCTL) as value:
+        with open(MIGRATE_SYSCTL_PATH) as value:
             return value.read().strip() != "0"
     except OSError:
         return None
@@ -223,9 +224,9 @@ class FrontEnds:
 
     def start(self) -> None:
         if queued_connections_migrate() is False:
-            logs.event(log, "front_end_queue_not_migrated", logging.WARNING, sysctl="net.ipv4.tcp_migrate_req=0",
+            logs.event(log, "front_end_queue_not_migrated", logging.WARNING, sysctl=f"{MIGRATE_SYSCTL}=0",
                        effect="a front end that dies resets the connections still waiting at its listener",
-                       fix="net.ipv4.tcp_migrate_req=1 (docker-compose.yml sets it)")
+                       fix=f"{MIGRATE_SYSCTL}=1 (docker-compose.yml sets it)")
         for index in range(self.count):
             self._spawn(index)
             threading.Thread(target=self._watch, args=(index,), name=f"front-end-{index}", daemon=True).start()
