@@ -13,6 +13,7 @@ import pytest
 from bench import engine_cost
 from bench.__main__ import main
 from bench.server_bench import split_cpu
+from tests.conftest import NEEDS_NATIVE
 
 
 def test_quick_bench_runs_and_writes_well_formed_json(tmp_path, capsys):
@@ -61,3 +62,59 @@ def test_the_engine_cost_bench_runs_the_real_engine_and_answers_every_request(se
     assert measured["requests_per_s"] > 0 and measured["failed"] == 0
     assert 1 <= measured["rows_per_run"] <= 4  # at most the requests in flight
     assert {"engine-service", "engine-outbox", "batcher-0"} <= set(measured["by_thread_us"])
+
+
+# --- the floor under the lone request (bench/bare_native.py): a measuring tool, but its answers must be the graph's
+@NEEDS_NATIVE
+@pytest.mark.parametrize("hop", [False, True], ids=["on-the-pump", "one-hop"])
+def test_the_bare_floor_answers_kserve_v2_with_the_graphs_own_pooled_embedding(serve_export_dir, tmp_path, hop):
+    import subprocess
+    import sys
+
+    import grpc
+    import numpy as np
+    import onnxruntime as ort
+
+    from model.export_format import read_metadata
+    from model.mask_kinds import MaskKind
+    from serve.protocols.kserve_v2 import M
+    from tests.subprocess_env import REPO, repo_env
+
+    port_file = tmp_path / "port.json"
+    args = [sys.executable, "-m", "bench.bare_native", "--export-dir", str(serve_export_dir), "--port-file",
+            str(port_file)] + (["--hop"] if hop else [])
+    server = subprocess.Popen(args, cwd=REPO, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        line = server.stdout.readline()  # its one line once it listens (or its error, on a failed start)
+        assert "event=serving" in line, line + server.stdout.read()
+        port = json.loads(port_file.read_text())["port"]
+        ids = np.array([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6]], np.int64)
+        request = M["ModelInferRequest"](model_name="any", id="r1")
+        request.inputs.add(name="input_ids", datatype="INT64", shape=list(ids.shape))
+        request.raw_input_contents.append(ids.tobytes())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=lambda m: m.SerializeToString(),
+                                        response_deserializer=M["ModelInferResponse"].FromString)
+            answer = infer(request, timeout=60)
+            with pytest.raises(grpc.RpcError) as other:
+                channel.unary_unary("/inference.GRPCInferenceService/ServerLive")(b"", timeout=60)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert (answer.id, answer.outputs[0].name, list(answer.outputs[0].shape)) == ("r1", "embeddings", [2, 32])
+        got = np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(2, 32)
+
+        # the same graph in process, its inputs written out here (every row whole, bidirectional, no custom mask)
+        metadata = read_metadata(serve_export_dir)
+        session = ort.InferenceSession(str(metadata.graph_file(serve_export_dir, "fp32")[0]),
+                                       providers=["CPUExecutionProvider"])
+        n, t = ids.shape
+        feeds = {"input_ids": ids, "attention_mask": np.ones((n, t), np.int64),
+                 "mask_kind": np.full(n, int(MaskKind.BIDIRECTIONAL), np.int64), "mask_causal": np.zeros(n, bool),
+                 "mask_window": np.zeros(n, np.int64), "mask_step": np.ones(n, np.int64),
+                 "custom_mask": np.ones((n, t, t), bool)}
+        expected = session.run(["mean_pooled"], feeds)[0]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) is not None
