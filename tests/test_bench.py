@@ -86,8 +86,12 @@ def test_the_bare_floor_answers_kserve_v2_with_the_graphs_own_pooled_embedding(s
     server = subprocess.Popen(args, cwd=REPO, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:
-        line = server.stdout.readline()  # its one line once it listens (or its error, on a failed start)
-        assert "event=serving" in line, line + server.stdout.read()
+        seen = []  # its lines until it listens (an early exit ends them: its error is in them)
+        for line in server.stdout:
+            seen.append(line)
+            if "event=serving" in line:
+                break
+        assert "event=serving" in "".join(seen), "".join(seen)
         port = json.loads(port_file.read_text())["port"]
         ids = np.array([[5, 17, 42, 8, 99, 3], [1, 2, 3, 4, 5, 6]], np.int64)
         request = M["ModelInferRequest"](model_name="any", id="r1")
