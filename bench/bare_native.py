@@ -18,18 +18,15 @@ per-request Python (docs/performance.md, "The floor under the lone request").
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import queue
 import signal
 import threading
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bare_native", description=__doc__.split("\n")[0])
     parser.add_argument("--export-dir", required=True)
-    parser.add_argument("--graph", default="auto", help="auto: the optimized graph, else fp32 (as the server)")
+    parser.add_argument("--graph", default="auto", help="as the server's --graph (auto: optimized, else fp32)")
     parser.add_argument("--port", type=int, default=0, help="0: one the OS picks (the port file says which)")
     parser.add_argument("--threads", type=int, default=1, help="the session's intra-op threads")
     parser.add_argument("--hop", action="store_true", help="run each call on a worker thread (one hand-off)")
@@ -42,20 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import onnxruntime as ort
 
-    from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
+    from serve.assembly.app import write_port_file
+    from serve.backend.export_dir import load_export
     from serve.backend.feeds import Rows, pad_batch
+    from serve.backend.session import spin_entries
+    from serve.config import ServerConfig
     from serve.protocols.kserve_v2 import M
     from serve.transport.native import load_module
 
-    metadata = read_metadata(args.export_dir)
-    config = metadata.config
-    graph = args.graph if args.graph != "auto" else "optimized" if "optimized" in metadata.graphs else "fp32"
+    export = load_export(args.export_dir, args.graph, verify=False, long_paths=False)  # "auto": as the server
+    config = export.config
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # the server's default (never)
-    graph_path, sha256 = metadata.graph_file(args.export_dir, graph, verify=False)
-    session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
+    for key, value in spin_entries(ServerConfig.intra_op_spin):  # the server's default spin policy
+        options.add_session_config_entry(key, value)
+    session = ort.InferenceSession(str(export.graph_path), options, providers=["CPUExecutionProvider"])
     request_type, response_type = M["ModelInferRequest"], M["ModelInferResponse"]
     bidirectional = int(MaskKind.BIDIRECTIONAL)
 
@@ -86,10 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    if args.port_file:
-        Path(f"{args.port_file}.tmp").write_text(json.dumps({"port": port}))
-        os.replace(f"{args.port_file}.tmp", args.port_file)
-    print(f"event=serving model={config.name} sha256={sha256} port={port} hop={args.hop}", flush=True)
+    write_port_file(args.port_file or "", port=port)
+    print(f"event=serving model={config.name} sha256={export.sha256} port={port} hop={args.hop}", flush=True)
     while not stop.is_set():
         for event in transport.next(0.25):
             if event[0] != module.START:
