@@ -12,12 +12,9 @@ Python itself and how much is ours. A measuring tool only: it trusts its input.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import threading
 from concurrent import futures
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.export_format import read_metadata
     from model.mask_kinds import MaskKind
+    from serve.assembly.app import write_port_file
     from serve.backend.feeds import Rows, pad_batch
     from serve.protocols.pb import pb, pb_grpc
     from serve.protocols.tensors import from_numpy, to_numpy
@@ -61,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     pb_grpc.add_EncoderServiceServicer_to_server(Bare(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    tmp = f"{args.port_file}.tmp"
-    Path(tmp).write_text(json.dumps({"port": port}))
-    os.replace(tmp, args.port_file)
+    write_port_file(args.port_file, port=port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
