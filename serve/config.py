@@ -102,6 +102,11 @@ class ServerConfig:
     # while a batch runs form the next batch anyway (measured faster here: docs/performance.md).
     max_queue_delay_ms: float = 0.0
     max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
+    # The express run: a request the native gRPC transport receives alone (nothing behind it in the burst), for
+    # an idle model (nothing queued or running, a run slot free, max_queue_delay_ms 0), runs on the transport's
+    # own thread when its run is predicted to take at most this long (the model's recent seconds per token):
+    # no hand-off to the batcher's thread (serve/core/batcher.py). 0: off; every request goes through the queue.
+    express_run_ms: float = 2.0
     # Run a batch of mixed lengths as length-sorted session.runs, each padded to its own longest row,
     # when the padding saved pays for the extra runs; the per-run cost is measured on the backend at
     # start (serve/core/batch_plan.py). Batches still form in arrival order. Off: one run per batch.
@@ -173,6 +178,8 @@ class ServerConfig:
             raise ValueError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.express_run_ms < 0:
+            raise ValueError(f"express_run_ms must be >= 0 (0: off), got {self.express_run_ms}")
         if self.max_queue_delay_ms < 0 or self.grace_s < 0 or self.drain_quiet_ms < 0 or self.drain_delay_s < 0:
             raise ValueError("max_queue_delay_ms, grace_s, drain_quiet_ms and drain_delay_s must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -374,6 +374,125 @@ def test_a_lone_requests_answer_is_assembled_by_the_worker_that_ran_it():
     batcher.stop(5)
 
 
+class ThreadRecordingBackend(FakeBackend):
+    """FakeBackend that records the thread each run ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def encode(self, batch, *args, **options):
+        self.threads.append(threading.current_thread().name)
+        return super().encode(batch, *args, **options)
+
+
+def _express_batcher(**overrides):
+    """An idle batcher that has run one request (so it knows its seconds per token) and allows express runs."""
+    backend = ThreadRecordingBackend()
+    batcher = _batcher(backend, **{"max_queue_delay_s": 0.0, "express_run_s": 60.0, **overrides})
+    _submit(batcher, [1, 2]).wait(5)
+    assert batcher.drain(5)
+    return backend, batcher
+
+
+def _granted(submit):
+    """`submit()` with the express grant, as the native transport's pump gives it (serve/core/express.py)."""
+    from serve.core import express
+
+    grant = express.allow()
+    try:
+        return submit()
+    finally:
+        express.revoke(grant)
+
+
+def test_an_idle_models_granted_request_runs_on_the_submitting_thread():
+    backend, batcher = _express_batcher()
+    ticket = _granted(lambda: _submit(batcher, [4, 5, 6]))
+    assert ticket.done()  # answered before submit returned: it ran here
+    np.testing.assert_array_equal(ticket.wait(0).outputs[0].hidden_states[:, 0], [4, 5, 6])
+    assert backend.threads == ["batcher-0", threading.current_thread().name]
+    batcher.stop(5)
+
+
+def test_a_request_without_the_grant_is_handed_to_the_batcher():
+    backend, batcher = _express_batcher()
+    _submit(batcher, [4, 5, 6]).wait(5)
+    assert backend.threads == ["batcher-0", "batcher-0"]
+    batcher.stop(5)
+
+
+def test_a_grant_covers_one_express_run_and_a_second_request_of_the_call_queues():
+    backend, batcher = _express_batcher()
+    first, second = _granted(lambda: (_submit(batcher, [4]), _submit(batcher, [5])))
+    assert first.wait(5) and second.wait(5)
+    assert backend.threads == ["batcher-0", threading.current_thread().name, "batcher-0"]
+    batcher.stop(5)
+
+
+def test_a_model_that_has_not_run_yet_gets_no_express_run():
+    backend = ThreadRecordingBackend()
+    batcher = _batcher(backend, max_queue_delay_s=0.0, express_run_s=60.0)
+    _granted(lambda: _submit(batcher, [4])).wait(5)  # its time cannot be predicted yet
+    assert backend.threads == ["batcher-0"]
+    batcher.stop(5)
+
+
+def test_a_run_predicted_over_the_express_budget_is_handed_to_the_batcher():
+    backend, batcher = _express_batcher(express_run_s=1e-12)
+    _granted(lambda: _submit(batcher, [4, 5, 6])).wait(5)
+    assert backend.threads == ["batcher-0", "batcher-0"]
+    batcher.stop(5)
+
+
+def test_express_runs_are_off_when_requests_wait_for_company():
+    backend, batcher = _express_batcher(max_queue_delay_s=0.001)
+    _granted(lambda: _submit(batcher, [4])).wait(5)
+    assert backend.threads == ["batcher-0", "batcher-0"]
+    batcher.stop(5)
+
+
+def test_a_granted_request_queues_while_its_model_runs_a_batch():
+    backend, batcher = _express_batcher()
+    backend.release.clear()
+    backend.entered.clear()
+    running = _submit(batcher, [4])
+    assert backend.entered.wait(5)  # the worker holds a batch inside the backend
+    queued = _granted(lambda: _submit(batcher, [5]))
+    assert not queued.done()
+    backend.release.set()
+    assert running.wait(5) and queued.wait(5)
+    assert backend.threads == ["batcher-0"] * 3
+    batcher.stop(5)
+
+
+def test_a_drain_waits_for_an_express_run():
+    backend, batcher = _express_batcher()
+    backend.release.clear()
+    backend.entered.clear()
+    express_thread = threading.Thread(target=lambda: _granted(lambda: _submit(batcher, [4])), name="transport")
+    express_thread.start()
+    assert backend.entered.wait(5)  # inside the backend, on the express caller's thread
+    assert backend.threads[-1] == "transport"
+    assert not batcher.drain(0)
+    backend.release.set()
+    assert batcher.drain(5)
+    express_thread.join(5)
+    batcher.stop(5)
+
+
+def test_a_failing_express_run_fails_its_request_alone_and_the_batcher_serves_on():
+    backend, batcher = _express_batcher()
+    encode = backend.encode
+    backend.encode = lambda *args, **options: (_ for _ in ()).throw(RuntimeError("boom"))
+    failed = _granted(lambda: _submit(batcher, [4]))
+    with pytest.raises(errors.ServeError, match="boom"):
+        failed.wait(0)
+    backend.encode = encode
+    assert _granted(lambda: _submit(batcher, [5])).wait(5).outputs[0].hidden_states[0, 0] == 5
+    batcher.stop(5)
+
+
 def test_the_next_batch_starts_while_the_last_runs_answers_are_still_being_assembled():
     """With work queued behind a run, its answers are assembled on the finisher thread: here the first answer's
     callback holds until the second batch is inside the backend, which cannot happen if the worker that must start
@@ -931,6 +1050,23 @@ def test_a_freed_slot_goes_to_the_waiter_with_the_oldest_request():
     scheduler.release("b")
     assert wait_until(lambda: scheduler.busy() == (3, 0), 10)
     assert grants == ["a", "b", "c", "b", "a"]
+
+
+def test_a_slot_is_taken_at_once_only_while_one_is_free_and_no_one_waits():
+    from serve.core.scheduler import Scheduler
+    from tests.reliability_common import wait_until
+
+    scheduler = Scheduler(1)
+    assert scheduler.try_acquire("a")
+    assert not scheduler.try_acquire("b")  # no slot free
+    waiter, _ = _acquire_in_thread(scheduler, 1.0, "a")
+    assert wait_until(lambda: scheduler.busy() == (1, 1), 10)
+    scheduler.release("a")
+    assert waiter.wait(10)
+    scheduler.release("a")
+    assert scheduler.busy() == (0, 0) and scheduler.try_acquire("b")
+    scheduler.release("b")
+    assert scheduler.busy() == (0, 0)
 
 
 def test_while_another_model_is_active_a_model_leaves_it_one_slot():

@@ -108,6 +108,32 @@ def test_a_watch_stream_stays_open_while_unary_calls_on_its_channel_answer(serve
         watch.cancel()
 
 
+def _express_runs(server) -> float:
+    for line in server.metrics().splitlines():
+        if line.startswith("encoder_express_runs_total "):
+            return float(line.split()[1])
+    raise AssertionError("no encoder_express_runs_total in /metrics")
+
+
+@NEEDS_NATIVE
+def test_a_lone_client_is_answered_by_express_runs_with_the_same_numbers(serve_start, serve_export_dir):
+    """One client, one call at a time, on the native transport: each call after the model's first run (which
+    measures its seconds per token) runs on the transport's thread (serve/core/express.py), seen in /metrics,
+    and its answer equals the batcher's (express runs off). The budget is set high so a busy machine's slower
+    runs still qualify."""
+    rng = np.random.default_rng(11)
+    rows = [rng.integers(1, 100, size=(1, n)) for n in (3, 17, 40, 8)]
+    answers = {}
+    for budget in ("1000", "0"):
+        started = serve_start(serve_export_dir, "--transport", "native", "--express-run-ms", budget)
+        client = grpcclient.InferenceServerClient(url=started.target)
+        answers[budget] = [infer(client, ids).as_numpy("last_hidden_state") for ids in rows]
+        assert _express_runs(started) == (len(rows) - 1 if budget != "0" else 0)
+        assert started.terminate() == 0
+    for express, queued in zip(answers["1000"], answers["0"]):
+        np.testing.assert_allclose(express, queued, atol=ATOL, rtol=0)
+
+
 def _requests_total(gated: GatedServer, code: str) -> float:
     return gated.server.metrics.registry.get_sample_value(
         "encoder_requests_total", {"method": "Encode", "code": code}) or 0.0

@@ -115,7 +115,8 @@ class EncoderServer:
         """The native transport where it is built (serve/transport/native.py), else grpcio."""
         reason = native.missing_reason() if config.transport in ("auto", "native") else "--transport grpcio"
         if reason is None:
-            return native.NativeTransport(address, self.router, registry.streaming(), hard_limit, tls)
+            return native.NativeTransport(address, self.router, registry.streaming(), hard_limit, tls,
+                                          streams=registry.streams())
         if config.transport == "native":
             raise Unavailable(f"--transport native: {reason}")
         if config.transport == "auto":

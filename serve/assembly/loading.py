@@ -118,6 +118,7 @@ def build_engine(export_dir: str, graph: str, config: ServerConfig, backend_fact
         backend, export.config,
         max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
         max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
+        express_run_s=config.express_run_ms / 1e3,
         observe=observe, run_cost=run_cost, budget=budget, instances=config.instances, scheduler=scheduler,
         dense=export.dense,
     )

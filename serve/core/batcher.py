@@ -16,6 +16,11 @@ padding, outputs) is serve/core/runs.py's. Cancelled and deadline-expired reques
 the batch is formed.
 A batch whose inference fails is re-run request by request, so one bad request fails alone (INTERNAL).
 
+The express run (serve/core/express.py): a request submitted with the express grant, to an idle batcher (nothing
+queued or running, max_queue_delay 0, a run slot free at once), runs on the submitting thread when its run is
+predicted to take at most express_run_s (the model's recent seconds per padded token, BatchRunner.seconds_per_token;
+none before the first run): one batch of one request, as a worker would run it, holding the run slot meanwhile.
+
 Answers: a run's completed tickets are answered (their outputs cut from the run's, `done` callbacks called) by
 the worker itself when nothing waits in the queue (a lone request: no hand-off), else by the batcher's finisher
 thread, so the worker forms and starts the next batch at once. On a GPU the device idles while the one
@@ -33,6 +38,7 @@ from typing import Callable
 from model.config import EncoderConfig
 from model.projection import Dense
 from serve import logs
+from serve.core import express
 from serve.core.attention_budget import AttentionBudget
 from serve.backend.session import Backend
 from serve.core.batch_plan import RunCost
@@ -44,8 +50,9 @@ from serve.core.runs import BatchRunner
 from serve.errors import Cancelled, DeadlineExceeded, Overloaded, ServeError, Unavailable
 
 log = logging.getLogger("serve.core.batcher")
-_FINISH = threading.Lock()
-SCAN_S = 0.005  # a full queue is searched for cancelled and expired tickets at most this often  # a ticket is finished once: by its batch, or by a drain that abandons it
+_FINISH = threading.Lock()  # a ticket is finished once: by its batch, or by a drain that abandons it
+EXPRESS = -1  # the `_running` key of an express run (workers are 0..instances-1)
+SCAN_S = 0.005  # a full queue is searched for cancelled and expired tickets at most this often
 
 
 class Ticket:
@@ -128,6 +135,7 @@ class Batcher:
         max_batch_tokens: int,
         max_queue_delay_s: float,
         max_queue_size: int,
+        express_run_s: float = 0.0,
         observe: Callable[..., None] | None = None,
         run_cost: RunCost | None = None,
         budget: AttentionBudget | None = None,
@@ -141,6 +149,7 @@ class Batcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
+        self.express_run_s = express_run_s if not max_queue_delay_s else 0.0  # 0: no express runs
         self._observe = observe or (lambda **_: None)
         self.run_cost = run_cost
         # bounds a batch's attention memory (each row's path was picked at admission: Rows.paths)
@@ -160,6 +169,7 @@ class Batcher:
         self._finisher = BurstQueue("batcher-finish", self._answer, lock, handled=self._cond.notify_all)
         self._closed = False
         self._stopping = False
+        self._draining = 0  # drains waiting for the queue and the runs to end
         self._running: dict[int, list[Ticket]] = {}  # worker -> the batch it runs
         self._alone: dict[int, bool] = {}  # worker -> its batch started with no other running or queued
         # one worker per batch that may run at once (ServerConfig.instances), all on the one backend
@@ -181,11 +191,25 @@ class Batcher:
                 self._drop_ended()
             if len(self._queue) >= self.max_queue_size:
                 raise Overloaded(f"queue full: {len(self._queue)} requests waiting (max_queue_size={self.max_queue_size})")
-            self._queue.append(ticket)
-            self._queued_rows += len(rows)
-            self._observe(queue_depth=len(self._queue))
-            self._cond.notify_all()
+            if self._express(ticket):
+                self._running[EXPRESS] = [ticket]
+            else:
+                self._queue.append(ticket)
+                self._queued_rows += len(rows)
+                self._observe(queue_depth=len(self._queue))
+                self._cond.notify_all()
+                return ticket
+        self._observe(express=True)
+        self._run_batch([ticket], EXPRESS, alone=self.scheduler.alone(self))
         return ticket
+
+    def _express(self, ticket: Ticket) -> bool:
+        """Whether `ticket` runs on the submitting thread (module docstring); True with a run slot held. Under the
+        condition's lock."""
+        rate = self.runner.seconds_per_token
+        return bool(self.express_run_s and rate is not None and not self._queue and not self._running
+                    and rate * len(ticket.rows) * ticket.length <= self.express_run_s
+                    and express.take() and self.scheduler.try_acquire(self))
 
     def _drop_ended(self) -> None:
         """Finishes and removes the queued tickets whose call ended (cancelled) or expired, so they
@@ -223,11 +247,15 @@ class Batcher:
         """Waits until the queue is empty and no batch runs; True when drained in time."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._running or self._finisher.unhandled():
-                remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
+            self._draining += 1
+            try:
+                while self._queue or self._running or self._finisher.unhandled():
+                    remaining = None if end is None else end - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(remaining)
+            finally:
+                self._draining -= 1
         return True
 
     def abandon(self, error: ServeError) -> int:
@@ -327,17 +355,24 @@ class Batcher:
             batch = self._take(worker)
             if batch is None:
                 return
-            try:
-                self.runner.run(batch, wide=self._alone.get(worker, False), finish=self._answer_run)
-            except BaseException as error:  # never leave a ticket waiting
-                logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
-                           requests=len(batch))
-                self._isolate([t for t in batch if not t.done()], error, worker)
-            finally:
-                self.scheduler.release(self)
-                with self._cond:
-                    self._running.pop(worker, None)
-                    self._alone.pop(worker, None)
+            self._run_batch(batch, worker, self._alone.get(worker, False))
+
+    def _run_batch(self, batch: list[Ticket], worker: int, alone: bool) -> None:
+        """Runs a formed batch (a worker's, or an express run's) while its run slot is held, then gives the slot
+        back. `alone`: no other batch runs or waits (it may use every CPU)."""
+        try:
+            self.runner.run(batch, wide=alone, finish=self._answer_run)
+        except BaseException as error:  # never leave a ticket waiting
+            logs.event(log, "batch_failed", logging.ERROR, error=f"{type(error).__name__}: {error}",
+                       requests=len(batch))
+            self._isolate([t for t in batch if not t.done()], error, worker)
+        finally:
+            self.scheduler.release(self)
+            with self._cond:
+                self._running.pop(worker, None)
+                self._alone.pop(worker, None)
+                # an express run's end concerns only a drain (the workers wait for the queue): they sleep on
+                if worker != EXPRESS or self._draining:
                     self._cond.notify_all()
 
     def _answer_run(self, done: list) -> None:

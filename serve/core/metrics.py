@@ -51,6 +51,8 @@ class Metrics:
                                       "the rows' own tokens, over all session.runs", registry=r)
         self.path_rows = Counter("encoder_attention_path_rows", "Rows run per attention path (dense | sparse | "
                                  "linear; model/attention_paths.py)", ["path"], registry=r)
+        self.express_runs = Counter("encoder_express_runs", "Requests run on the transport's own thread: an idle "
+                                    "model's lone request, no hand-off to its batcher (--express-run-ms)", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Requests waiting for a batch", registry=r)
         self.ready = Gauge("encoder_ready", "1 when loaded, warm and serving", registry=r)
         # per model (a repository serves several; serve/assembly/repository.py)
@@ -76,7 +78,10 @@ class Metrics:
     def observe_batcher(self, *, batch_size: int | None = None,
                         batch_tokens: int | None = None, inference_s: float | None = None,
                         padding_tokens: int | None = None, path: str | None = None,
-                        queue_s: list[float] | None = None, run_cpu_s: float | None = None) -> None:
+                        queue_s: list[float] | None = None, run_cpu_s: float | None = None,
+                        express: bool = False) -> None:
+        if express:
+            self.express_runs.inc()
         if batch_size is not None:
             self.batch_size.observe(batch_size)
         if batch_tokens is not None:

@@ -38,6 +38,7 @@ from serve.core.requests import EncodeResult
 from serve.errors import ServeError, ValidationError
 
 log = logging.getLogger("serve.core.runs")
+RATE_WEIGHT = 0.25  # the newest run's weight in BatchRunner.seconds_per_token
 
 
 class _Ran(NamedTuple):
@@ -68,6 +69,9 @@ class BatchRunner:
         # how many runs of the narrow session fill every CPU (Backend.parallel_runs): a lone batch of several
         # runs runs that many at once (module docstring)
         self.parallel_runs = int(getattr(backend, "parallel_runs", 1))
+        # the recent runs' seconds per padded token (a moving average; None before the first run): what the batcher
+        # predicts an express run's time with (serve/core/batcher.py)
+        self.seconds_per_token: float | None = None
         # its threads start with the first such batch
         self._pool = (ThreadPoolExecutor(self.parallel_runs, thread_name_prefix="runs") if self.parallel_runs > 1
                       else None)
@@ -111,6 +115,8 @@ class BatchRunner:
     def _account(self, number: int, ran: _Ran, progress: dict, finish: Callable[[list], None]) -> None:
         """A run's outputs to its tickets' progress (on the batch's own thread); answers those it completed."""
         rows, length, lengths, hidden = len(ran.lengths), ran.length, ran.lengths, ran.hidden
+        rate, last = self.seconds_per_token, ran.inference_s / (rows * length)
+        self.seconds_per_token = last if rate is None else rate + RATE_WEIGHT * (last - rate)
         self._observe(batch_size=rows, batch_tokens=rows * length, inference_s=ran.inference_s,
                       padding_tokens=rows * length - ran.tokens, path=ran.path, run_cpu_s=ran.cpu_s)
         if ran.wants_hidden and ran.tokens < rows * length:

@@ -77,6 +77,18 @@ class Scheduler:
                 self._waiting.remove(entry)
                 self._cond.notify_all()
 
+    def try_acquire(self, model: object = None) -> bool:
+        """A run slot for `model` at once, or False: only while one is free, no one waits for a slot and the
+        rules above let `model` run (an express run: serve/core/batcher.py)."""
+        with self._cond:
+            now = time.monotonic()
+            if self._waiting or self._running >= self.slots or not self._eligible(model, now):
+                return False
+            self._asked[model] = now
+            self._running += 1
+            self._by_model[model] = self._by_model.get(model, 0) + 1
+            return True
+
     def release(self, model: object = None) -> None:
         with self._cond:
             self._running -= 1

@@ -21,6 +21,7 @@ import threading
 import grpc
 
 from serve import logs
+from serve.core import express
 from serve.errors import Unavailable
 from serve.transport.rpc import Router, Rpc
 
@@ -65,6 +66,7 @@ class NativeRpc(Rpc):
         ended = super()._end()
         if ended:
             self._owner._calls.pop(self._id, None)
+            self._owner._unary.pop(self._id, None)
         return ended
 
 
@@ -72,7 +74,7 @@ class NativeTransport:
     name = "native"
 
     def __init__(self, address: str, router: Router, streaming: list[str], max_receive_bytes: int,
-                 tls: tuple[bytes, bytes, bytes] | None) -> None:
+                 tls: tuple[bytes, bytes, bytes] | None, streams: list[str] = ()) -> None:
         module = load_module()
         self._m = module
         self._t = module.Transport()
@@ -80,6 +82,10 @@ class NativeTransport:
         self.port = self._t.start(address, max_receive_bytes, pem, streaming)
         self._router = router
         self._calls: dict[int, NativeRpc] = {}  # open calls the router may still hear of (streams, cancels)
+        # the open calls among them that are one message each way (a stream such as Watch may stay open); `streams`:
+        # the methods where either side streams (Registry.streams)
+        self._unary: dict[int, NativeRpc] = {}
+        self._streams = frozenset(streams)
         self._stopping = False
         self._thread = threading.Thread(target=self._pump, name="transport-pump", daemon=True)
 
@@ -88,16 +94,31 @@ class NativeTransport:
 
     def _pump(self) -> None:
         logs.name_thread("transport-pump")
-        m, t, router, calls = self._m, self._t, self._router, self._calls
+        m, t, router, calls, unary, streams = (self._m, self._t, self._router, self._calls, self._unary,
+                                                self._streams)
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
         while not self._stopping:
-            for event in t.next(POLL_S):
+            events = t.next(POLL_S)
+            last = events[-1] if events else None
+            for event in events:
                 kind, call_id = event[0], event[1]
                 try:
                     if kind == START:
                         _, _, method, payload, metadata, remaining, arrived = event
                         rpc = calls[call_id] = NativeRpc(self, call_id, method, metadata, remaining, arrived)
-                        router.start(rpc, payload)
+                        if method in streams:
+                            router.start(rpc, payload)
+                            continue
+                        unary[call_id] = rpc
+                        # no other unary call open and none read behind it: it may run here (serve/core/express.py)
+                        if event is last and len(unary) == 1:
+                            grant = express.allow()
+                            try:
+                                router.start(rpc, payload)
+                            finally:
+                                express.revoke(grant)
+                        else:
+                            router.start(rpc, payload)
                         continue
                     rpc = calls.get(call_id)
                     if rpc is None:  # ended meanwhile

@@ -178,6 +178,10 @@ class Registry:
         """Methods whose client sends a stream (the transport keeps reading them)."""
         return [m for m, h in self.handlers.items() if h.request_streaming]
 
+    def streams(self) -> list[str]:
+        """Methods where either side sends a stream: a call of one may stay open (grpc.health's Watch)."""
+        return [m for m, h in self.handlers.items() if h.request_streaming or h.response_streaming]
+
     def unary(self, method: str) -> bool:
         handler = self.handlers.get(method)
         return handler is None or not handler.request_streaming
