@@ -89,3 +89,21 @@ def test_curl_v2_infer(server, expected):
                           "-d", json.dumps(body)], check=True, capture_output=True, timeout=60).stdout
     got = np.asarray(json.loads(out)["outputs"][0]["data"], np.float32)
     np.testing.assert_allclose(got, expected.embeddings[0], atol=ATOL, rtol=0)
+
+
+def test_a_lone_http_client_is_answered_by_express_runs_with_the_same_numbers(serve_start, serve_export_dir):
+    """One client, one request at a time, over HTTP: each request after the model's first run (which measures its
+    seconds per token) runs on the HTTP transport's thread (serve/core/express.py), seen in /metrics, and its answer
+    equals the batcher's (express runs off). The budget is set high so a busy machine's slower runs still qualify."""
+    answers, runs = {}, {}
+    for budget in ("1000", "0"):
+        started = serve_start(serve_export_dir, "--express-run-ms", budget)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{started.http_port}")
+        answers[budget] = [infer(client, binary).as_numpy("embeddings") for binary in (True, False, True, False)]
+        runs[budget] = next(float(line.split()[1]) for line in started.metrics().splitlines()
+                            if line.startswith("encoder_express_runs_total "))
+        client.close()
+        assert started.terminate() == 0
+    assert runs == {"1000": 3.0, "0": 0.0}
+    for express, queued in zip(answers["1000"], answers["0"]):
+        np.testing.assert_allclose(express, queued, atol=ATOL, rtol=0)

@@ -40,6 +40,7 @@ from typing import Callable
 import grpc
 
 from serve import logs
+from serve.core import express
 from serve.errors import ServeError, ValidationError, clip
 from serve.protocols.status import RETRY_AFTER_S, http_status, to_status
 from serve.transport import security
@@ -123,6 +124,7 @@ class HttpTransport:
                                 backlog=max(2048, max_connections), **options)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+        self._in_flight = 0  # requests between their hand-off to the router and their answer (on the loop's thread)
 
     def _run(self) -> None:
         logs.name_thread("http")
@@ -164,14 +166,24 @@ class HttpTransport:
             body = await self._read(request, send, error_body)
             if body is None:
                 return
+        self._in_flight += 1
         try:
-            self._router.call(match, rpc, body, headers)
-        except ServeError as error:  # refused before it reached an adapter's edge (a body that is no JSON object)
-            rpc.fail(*to_status(error))
-        except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
-            logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
-            rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
-        if not await self._answered(rpc, receive):
+            # the only request in flight: it may run on this thread (serve/core/express.py)
+            grant = express.allow() if self._in_flight == 1 else None
+            try:
+                self._router.call(match, rpc, body, headers)
+            except ServeError as error:  # refused before it reached an adapter's edge (a body that is no JSON object)
+                rpc.fail(*to_status(error))
+            except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
+                logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
+                rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
+            finally:
+                if grant is not None:
+                    express.revoke(grant)
+            answered = await self._answered(rpc, receive)
+        finally:
+            self._in_flight -= 1
+        if not answered:
             return  # the client left: nothing to send
         code, message, payload = rpc.future.result()
         status = http_status(code)
