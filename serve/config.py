@@ -102,10 +102,10 @@ class ServerConfig:
     # while a batch runs form the next batch anyway (measured faster here: docs/performance.md).
     max_queue_delay_ms: float = 0.0
     max_queue_size: int = 256  # queued requests before RESOURCE_EXHAUSTED
-    # The express run: a request the native gRPC transport receives alone (nothing behind it in the burst), for
-    # an idle model (nothing queued or running, a run slot free, max_queue_delay_ms 0), runs on the transport's
-    # own thread when its run is predicted to take at most this long (the model's recent seconds per token):
-    # no hand-off to the batcher's thread (serve/core/batcher.py). 0: off; every request goes through the queue.
+    # The express run: a request a transport reads while no other call is in flight on it (the native gRPC pump,
+    # HTTP's event loop), for an idle model (nothing queued or running, a run slot free, max_queue_delay_ms 0),
+    # runs on the transport's own thread when its run is predicted to take at most this long (the model's recent
+    # seconds per padded token): no hand-off to the batcher's thread (serve/core/express.py). 0: off.
     express_run_ms: float = 2.0
     # Run a batch of mixed lengths as length-sorted session.runs, each padded to its own longest row,
     # when the padding saved pays for the extra runs; the per-run cost is measured on the backend at

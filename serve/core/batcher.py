@@ -371,7 +371,7 @@ class Batcher:
             with self._cond:
                 self._running.pop(worker, None)
                 self._alone.pop(worker, None)
-                # an express run's end concerns only a drain (the workers wait for the queue): they sleep on
+                # an express run's end concerns only a drain: the workers wait for the queue, not for it
                 if worker != EXPRESS or self._draining:
                     self._cond.notify_all()
 
