@@ -399,11 +399,8 @@ def _granted(submit):
     """`submit()` with the express grant, as the native transport's pump gives it (serve/core/express.py)."""
     from serve.core import express
 
-    grant = express.allow()
-    try:
+    with express.granted(True):
         return submit()
-    finally:
-        express.revoke(grant)
 
 
 def test_an_idle_models_granted_request_runs_on_the_submitting_thread():

@@ -23,13 +23,23 @@ import contextvars
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("express_allowed", default=False)
 
 
-def allow() -> contextvars.Token:
-    """Grants the express run to what this thread starts until `revoke(token)`."""
-    return _ALLOWED.set(True)
+class granted:
+    """`with granted(allowed):` grants the express run to what the block starts on this thread, when `allowed`
+    (a class, not a generator: it wraps every unary call the transports start)."""
 
+    __slots__ = ("allowed", "token")
 
-def revoke(token: contextvars.Token) -> None:
-    _ALLOWED.reset(token)
+    def __init__(self, allowed: bool) -> None:
+        self.allowed = allowed
+        self.token: contextvars.Token | None = None
+
+    def __enter__(self) -> None:
+        if self.allowed:
+            self.token = _ALLOWED.set(True)
+
+    def __exit__(self, *exception) -> None:
+        if self.token is not None:
+            _ALLOWED.reset(self.token)
 
 
 def take() -> bool:

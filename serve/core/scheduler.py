@@ -70,8 +70,7 @@ class Scheduler:
                     if give_up():
                         return False
                     self._cond.wait(self.active_s)  # another model's activity may lapse meanwhile
-                self._running += 1
-                self._by_model[model] = self._by_model.get(model, 0) + 1
+                self._take(model)
                 return True
             finally:
                 self._waiting.remove(entry)
@@ -85,9 +84,13 @@ class Scheduler:
             if self._waiting or self._running >= self.slots or not self._eligible(model, now):
                 return False
             self._asked[model] = now
-            self._running += 1
-            self._by_model[model] = self._by_model.get(model, 0) + 1
+            self._take(model)
             return True
+
+    def _take(self, model: object) -> None:
+        """Counts a run slot granted to `model` (`release` gives it back). Under the condition's lock."""
+        self._running += 1
+        self._by_model[model] = self._by_model.get(model, 0) + 1
 
     def release(self, model: object = None) -> None:
         with self._cond:

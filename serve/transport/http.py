@@ -169,17 +169,14 @@ class HttpTransport:
         self._in_flight += 1
         try:
             # the only request in flight: it may run on this thread (serve/core/express.py)
-            grant = express.allow() if self._in_flight == 1 else None
-            try:
-                self._router.call(match, rpc, body, headers)
-            except ServeError as error:  # refused before it reached an adapter's edge (a body that is no JSON object)
-                rpc.fail(*to_status(error))
-            except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
-                logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
-                rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
-            finally:
-                if grant is not None:
-                    express.revoke(grant)
+            with express.granted(self._in_flight == 1):
+                try:
+                    self._router.call(match, rpc, body, headers)
+                except ServeError as error:  # refused before an adapter's edge (a body that is no JSON object)
+                    rpc.fail(*to_status(error))
+                except Exception as error:  # a route raising anything else is a bug: INTERNAL, never a trace
+                    logs.event(log, "unexpected_error", logging.ERROR, method=method, error=repr(error))
+                    rpc.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
             answered = await self._answered(rpc, receive)
         finally:
             self._in_flight -= 1

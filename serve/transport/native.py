@@ -106,18 +106,11 @@ class NativeTransport:
                     if kind == START:
                         _, _, method, payload, metadata, remaining, arrived = event
                         rpc = calls[call_id] = NativeRpc(self, call_id, method, metadata, remaining, arrived)
-                        if method in streams:
-                            router.start(rpc, payload)
-                            continue
-                        unary[call_id] = rpc
-                        # no other unary call open and none read behind it: it may run here (serve/core/express.py)
-                        if event is last and len(unary) == 1:
-                            grant = express.allow()
-                            try:
-                                router.start(rpc, payload)
-                            finally:
-                                express.revoke(grant)
-                        else:
+                        alone = method not in streams
+                        if alone:
+                            unary[call_id] = rpc
+                        # a unary call with no other open and none read behind it may run here (serve/core/express.py)
+                        with express.granted(alone and event is last and len(unary) == 1):
                             router.start(rpc, payload)
                         continue
                     rpc = calls.get(call_id)
