@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0: one the OS picks (the port file says which)")
     parser.add_argument("--threads", type=int, default=1, help="the session's intra-op threads")
     parser.add_argument("--hop", action="store_true", help="run each call on a worker thread (one hand-off)")
+    parser.add_argument("--finish-here", action="store_true",
+                        help="send each answer on the thread that made it, not the transport's writer thread")
     # what compare.sh passes `python -m serve` (so `--python` may point at bench/bare_native_python.sh)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-file")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         out = response_type(model_name=msg.model_name, id=msg.id)
         out.outputs.add(name="embeddings", datatype="FP32", shape=list(pooled.shape))
         out.raw_output_contents.append(pooled.astype("<f4").tobytes())
-        transport.finish(call_id, 0, "", out.SerializeToString())
+        transport.finish(call_id, 0, "", out.SerializeToString(), args.finish_here)
 
     work: queue.SimpleQueue = queue.SimpleQueue()
 

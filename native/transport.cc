@@ -12,8 +12,10 @@
 //                      (HALF_CLOSE, id) for streaming methods, (CANCEL, id) when the client or its deadline
 //                      ended a call Python had not finished.
 //   write(id, bytes)              a response message of a streaming call (sent in order)
-//   finish(id, code, text, bytes) the call's status, after its last message (bytes: a unary answer): handed to
-//                                the writer thread, which sends it (gRPC's write path runs off the Python thread)
+//   finish(id, code, text, bytes, here) the call's status, after its last message (bytes: a unary answer): handed
+//                                to the writer thread, which sends it (the caller goes on at once), or with `here`
+//                                sent on the calling thread, the GIL released (no wake-up of the writer: for a
+//                                thread that has nothing else to do meanwhile). gRPC's write path never holds the GIL
 //
 // A unary call is one START event with its request (None if the client sent none). A cancelled call is
 // finished here with CANCELLED at once (gRPC needs Finish for every call); Python's later finish is ignored.
@@ -243,10 +245,17 @@ class Transport {
     if (auto r = find(id)) r->Write(std::move(bytes));
   }
 
-  // One call's status and last message, handed to the writer thread (the caller goes on at once).
-  void finish(int64_t id, int code, const std::string& message, py::object payload) {
+  // One call's status and last message, handed to the writer thread (the caller goes on at once), or sent here.
+  void finish(int64_t id, int code, const std::string& message, py::object payload, bool here) {
     Answer a{id, code, message, std::nullopt};
     if (!payload.is_none()) a.payload = payload.cast<std::string>();
+    if (here) {  // on this thread, the GIL released: no wake-up of the writer
+      py::gil_scoped_release unlocked;
+      if (auto r = find(id)) {
+        r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
+      }
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(write_mu_);
       finishes_.push_back(std::move(a));
@@ -443,7 +452,8 @@ PYBIND11_MODULE(_transport, m) {
            py::arg("streaming_methods"))
       .def("next", &Transport::next, py::arg("timeout"))
       .def("write", &Transport::write, py::arg("id"), py::arg("payload"))
-      .def("finish", &Transport::finish, py::arg("id"), py::arg("code"), py::arg("message"), py::arg("payload"))
+      .def("finish", &Transport::finish, py::arg("id"), py::arg("code"), py::arg("message"), py::arg("payload"),
+           py::arg("here") = false)
       .def("open_calls", &Transport::open_calls)
       .def("stop", &Transport::stop, py::arg("grace"));
 }

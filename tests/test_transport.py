@@ -228,6 +228,23 @@ def test_a_calls_arrival_is_stamped_on_pythons_monotonic_clock(bare_transport):
         assert future.result(timeout=30) == b"answer"
 
 
+@NEEDS_NATIVE
+@pytest.mark.parametrize("here", [False, True], ids=["by-the-writer-thread", "on-the-calling-thread"])
+def test_an_answer_and_a_refusal_arrive_whichever_thread_sends_them(bare_transport, here):
+    module, transport, port = bare_transport
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(CLOCK_METHOD)
+        answered, refused = call.future(b"one", timeout=60), None
+        transport.finish(_first_start(module, transport)[1], grpc.StatusCode.OK.value[0], "", b"answer", here)
+        refused = call.future(b"two", timeout=60)
+        transport.finish(_first_start(module, transport)[1], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                         "queue full", None, here)
+        assert answered.result(timeout=30) == b"answer"
+        with pytest.raises(grpc.RpcError) as error:
+            refused.result(timeout=30)
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+
+
 def test_a_calls_deadline_counts_from_its_arrival():
     arrived = time.monotonic() - 2.0  # the call waited 2 s for the pump
     rpc = Rpc(CLOCK_METHOD, (), remaining=5.0, received=arrived)

@@ -6,8 +6,9 @@ end costs ~0.26 ms in all. Here gRPC C++ owns HTTP/2, TLS and the call objects, 
 event that arrived since the last look in ONE wake-up (`Transport.next`): one pump thread routes them
 (serve/transport/rpc.py Router), so a burst of requests is parsed, validated and queued for the batcher
 in one go, and each is answered from the batcher's thread when its batch has run: the answer is handed to
-C++'s writer thread (`Transport.finish`), which runs gRPC's write path without the GIL. C++ holds no request
-rule, no limit but gRPC's own receive size, no status text: every check lives once, in Python, and
+C++'s writer thread (`Transport.finish`), which runs gRPC's write path without the GIL (an answer the pump made
+itself is sent on the pump, the GIL released: no writer to wake). C++ holds no request rule, no limit but
+gRPC's own receive size, no status text: every check lives once, in Python, and
 the grpcio transport (serve/transport/grpcio.py) runs the very same Router where this module is not
 built (`python -m tools.native_build`, `make native`).
 """
@@ -58,9 +59,11 @@ class NativeRpc(Rpc):
         self._owner._t.write(self._id, payload)
 
     def _close(self, code: grpc.StatusCode, message: str, payload: bytes | None) -> None:
-        # handed to C++'s writer thread, from whichever thread answers (the batcher's, for a batch's answers):
-        # no hop through the pump, and gRPC's write path never runs under the GIL
-        self._owner._t.finish(self._id, code.value[0], message, payload)
+        # sent by C++, never under the GIL: on the pump's own thread when the pump made the answer (an express run,
+        # a refusal: the pump has nothing else to do, and waking the writer would cost more than the send), else
+        # handed to C++'s writer thread (the batcher's answers: no hop through the pump, the batcher goes on)
+        owner = self._owner
+        owner._t.finish(self._id, code.value[0], message, payload, threading.get_ident() == owner._pump_id)
 
     def _end(self) -> bool:
         ended = super()._end()
@@ -87,6 +90,7 @@ class NativeTransport:
         self._unary: dict[int, NativeRpc] = {}
         self._streams = frozenset(streams)
         self._stopping = False
+        self._pump_id: int | None = None  # the pump thread's ident: answers made on it are sent on it
         self._thread = threading.Thread(target=self._pump, name="transport-pump", daemon=True)
 
     def start(self) -> None:
@@ -94,6 +98,7 @@ class NativeTransport:
 
     def _pump(self) -> None:
         logs.name_thread("transport-pump")
+        self._pump_id = threading.get_ident()
         m, t, router, calls, unary, streams = (self._m, self._t, self._router, self._calls, self._unary,
                                                 self._streams)
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
