@@ -162,6 +162,26 @@ def test_metrics_add_up_every_front_ends_requests_on_the_engines_port(pair):
     assert "encoder_batch_size_count" in text
 
 
+def test_a_lone_client_through_a_front_end_is_answered_by_express_runs_in_the_engine(pair, serve_start,
+                                                                                     serve_export_dir):
+    """One client, one call at a time, through a front end: the engine runs each call after the model's first run
+    (which measures its seconds per token) on the thread that read it from the wire (serve/core/express.py), counted
+    on the engine's /metrics, and the answers equal one process's. The budget is set high so a busy machine's slower
+    runs still qualify."""
+    one, _ = pair
+    front = serve_start(serve_export_dir, "--front-ends", "1", "--express-run-ms", "1000")
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(1, 100, n) for n in (3, 17, 40, 8)]
+    with EncoderClient(one.target, retries=0) as client:
+        expected = [client.encode([sequence], hidden_states=True) for sequence in sequences]
+    with Connection(front) as client:
+        got = [client.encode([sequence], hidden_states=True) for sequence in sequences]
+    assert _counter(front.metrics(), "encoder_express_runs_total") == len(sequences) - 1
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.embeddings, e.embeddings, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(g.hidden_states[0], e.hidden_states[0], atol=ATOL, rtol=0)
+
+
 def test_the_weights_are_held_by_the_engine_only(pair):
     _, front = pair
     engine_maps = Path(f"/proc/{front.proc.pid}/maps").read_text()

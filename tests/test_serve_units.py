@@ -490,6 +490,21 @@ def test_a_failing_express_run_fails_its_request_alone_and_the_batcher_serves_on
     batcher.stop(5)
 
 
+def test_answering_alone_is_said_of_its_own_thread_and_block_only():
+    from serve.core import express
+
+    seen = {}
+    with express.answering_alone(True):
+        seen["inside"] = express.alone()
+        other = threading.Thread(target=lambda: seen.setdefault("other thread", express.alone()))
+        other.start()
+        other.join(5)
+        with express.answering_alone(False):
+            seen["not alone, nested"] = express.alone()
+    seen["after"] = express.alone()
+    assert seen == {"inside": True, "other thread": False, "not alone, nested": True, "after": False}
+
+
 def test_the_next_batch_starts_while_the_last_runs_answers_are_still_being_assembled():
     """With work queued behind a run, its answers are assembled on the finisher thread: here the first answer's
     callback holds until the second batch is inside the backend, which cannot happen if the worker that must start

@@ -43,7 +43,7 @@ from serve.assembly.app import drain_delay, reload_on_sighup, run_until_signalle
 from serve.assembly.loading import default_backend
 from serve.assembly.repository import ModelRepository
 from serve.config import ServerConfig, config_environment
-from serve.core import ipc
+from serve.core import express, ipc
 from serve.core.admission import Admission, Held
 from serve.core.bursts import BurstQueue
 from serve.core.metrics import ENGINE, Metrics
@@ -115,8 +115,12 @@ class EngineService:
     def _handle(self, header: dict, body) -> None:
         kind = header.get("k")
         if kind == "work":
-            for item in header["items"]:
-                self._work(header["fe"], item, body)
+            items = header["items"]
+            # one request and none other in flight from any front end: it may run on this thread (express.py)
+            alone = len(items) == 1 and not self._tickets
+            for item in items:
+                with express.granted(alone):
+                    self._work(header["fe"], item, body)
         elif kind == "cancel":
             for call_id in header["ids"]:
                 ticket = self._tickets.get((header["fe"], call_id))
@@ -136,6 +140,10 @@ class EngineService:
         except Exception as error:
             held.end()
             self._send(front_end, ipc.error_frames(call_id, error))
+            return
+        if ticket.done():  # an express run: answered here, no outbox to wake
+            held.end()
+            self._send_finished([(front_end, call_id, ticket)])
             return
         self._tickets[key] = ticket
 

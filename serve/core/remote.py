@@ -25,7 +25,7 @@ from serve.backend.export_dir import load_export
 from serve.backend.feeds import Rows
 from serve.backend.session import BackendInfo
 from serve.config import ServerConfig
-from serve.core import ipc
+from serve.core import express, ipc
 from serve.core.attention_budget import AttentionBudget
 from serve.core.batcher import Ticket
 from serve.core.bursts import BurstQueue
@@ -76,10 +76,15 @@ class EngineLink:
 
     # -- out -----------------------------------------------------------------------------------------
     def send_work(self, ticket: RemoteTicket, model: str) -> None:
-        """Queues the ticket's rows for the sender thread (its answer finishes the ticket)."""
+        """Queues the ticket's rows for the sender thread (its answer finishes the ticket), or sends them on this
+        thread when the transport granted the call an express run (serve/core/express.py: it is the only call in
+        flight there, so no burst would form; the engine may grant it one in turn)."""
         ticket.link, ticket.call_id = self, next(self._ids)
         self._pending[ticket.call_id] = ticket
-        self._sender.put((ticket, model))
+        if express.take():
+            self._send_outgoing([(ticket, model)])
+        else:
+            self._sender.put((ticket, model))
 
     def cancel(self, call_id: int) -> None:
         self._sender.put((None, call_id))  # behind its work, if that is not sent yet
@@ -147,7 +152,21 @@ class EngineLink:
     def _handle(self, header: dict, body) -> None:
         kind = header.get("k")
         if kind == "done":  # a burst: every answer the engine finished for this front end since its last
-            for item in header["items"]:
+            items = header["items"]
+            # one answer and no other call in flight: the transport may send it on this thread (express.py)
+            with express.answering_alone(len(items) == 1 and len(self._pending) == 1):
+                self._finish_burst(items, body)
+        elif kind == "reply":
+            reply = self._replies.get(header["id"])
+            if reply is not None:
+                reply[1] = by_name(*header["error"]) if "error" in header else header.get("value")
+                reply[0].set()
+        elif kind in self._handlers:
+            self._handlers[kind](header)
+
+    def _finish_burst(self, items: list, body) -> None:
+        """Finishes the ticket of each answer in a burst from the engine."""
+        for item in items:
                 ticket = self._pending.pop(item["id"], None)
                 if ticket is None:  # an answer to an earlier incarnation, or cancelled and dropped
                     continue
@@ -159,13 +178,6 @@ class EngineLink:
                     ticket._finish(error=outcome)
                 else:
                     ticket._finish(outcome)
-        elif kind == "reply":
-            reply = self._replies.get(header["id"])
-            if reply is not None:
-                reply[1] = by_name(*header["error"]) if "error" in header else header.get("value")
-                reply[0].set()
-        elif kind in self._handlers:
-            self._handlers[kind](header)
 
 
 class RemoteBatcher:

@@ -60,10 +60,12 @@ class NativeRpc(Rpc):
 
     def _close(self, code: grpc.StatusCode, message: str, payload: bytes | None) -> None:
         # sent by C++, never under the GIL: on the pump's own thread when the pump made the answer (an express run,
-        # a refusal: the pump has nothing else to do, and waking the writer would cost more than the send), else
-        # handed to C++'s writer thread (the batcher's answers: no hop through the pump, the batcher goes on)
+        # a refusal: the pump has nothing else to do, and waking the writer would cost more than the send) or a
+        # thread answers alone (express.answering_alone: a front end's link with one answer), else handed to C++'s
+        # writer thread (the batcher's answers: no hop through the pump, the batcher goes on)
         owner = self._owner
-        owner._t.finish(self._id, code.value[0], message, payload, threading.get_ident() == owner._pump_id)
+        owner._t.finish(self._id, code.value[0], message, payload,
+                        threading.get_ident() == owner._pump_id or express.alone())
 
     def _end(self) -> bool:
         ended = super()._end()
