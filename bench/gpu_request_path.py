@@ -15,7 +15,8 @@
    over HTTP (OpenAI's /v1/embeddings): the clients run in 8 processes of their own, each client on its own
    connection. Reported: the server's tokens/s against in-process tokens/s (goal: >= 0.7), p50/p99, rows per
    session.run, the server's CPU per request (every process of it), and the GPU's busy fraction
-   (nvidia-smi's utilization, sampled every 200 ms).
+   (nvidia-smi's utilization, sampled every 200 ms). Before the load, one client alone for `--lone-seconds` (one
+   call at a time): a lone call's p50/p99, and how many ran as express runs (serve/core/express.py).
 
 `--device cpu --quick` runs the same steps on a tiny model in under a minute (a check of the script, not a
 measure). Traffic goes to 127.0.0.1 only, bounded in time. The figures go to docs/performance.md.
@@ -130,46 +131,48 @@ def server_run_shape(device: str, serve_flags: tuple[str, ...]) -> tuple[int, in
     return run_slots(config, None), config.max_batch_size
 
 
+def _caller(protocol: str, target: str, http_target: str, model: str, tokens: int, seed: int):
+    """One client on its own connection: a function that sends one text of `tokens` tokens and waits for the answer
+    (gRPC Encode with texts, or OpenAI's /v1/embeddings)."""
+    text = text_of(tokens, seed)
+    if protocol == "grpc":
+        import grpc
+
+        from client import build_request
+        from serve.protocols.pb import pb_grpc
+
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        stub, request = pb_grpc.EncoderServiceStub(channel), build_request((), texts=[text])
+        request.model = model
+
+        def encode() -> None:  # nothing kept: closed_loop holds what a call returns
+            stub.Encode(request, timeout=60.0)
+
+        return encode
+    import http.client
+
+    import orjson
+
+    host, port = http_target.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60.0)
+    body = orjson.dumps({"model": model, "input": [text]})
+
+    def call() -> None:
+        connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+        answer = connection.getresponse()
+        answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"HTTP {answer.status}")
+
+    return call
+
+
 def _client_process(protocol: str, target: str, http_target: str, model: str, clients: int, tokens: int, seconds: float,
                     window_at: float, out) -> None:
     """One client process: `clients` closed-loop threads (harness.closed_loop), each its own connection, counted
     from wall-clock time `window_at` (the window every process and the server's CPU reading share) for
     `seconds`."""
-
-    def caller(seed: int):
-        text = text_of(tokens, seed)
-        if protocol == "grpc":
-            import grpc
-
-            from client import build_request
-            from serve.protocols.pb import pb_grpc
-
-            channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-            stub, request = pb_grpc.EncoderServiceStub(channel), build_request((), texts=[text])
-            request.model = model
-
-            def encode() -> None:  # nothing kept: closed_loop holds what a call returns
-                stub.Encode(request, timeout=60.0)
-
-            return encode
-        import http.client
-
-        import orjson
-
-        host, port = http_target.rsplit(":", 1)
-        connection = http.client.HTTPConnection(host, int(port), timeout=60.0)
-        body = orjson.dumps({"model": model, "input": [text]})
-
-        def call() -> None:
-            connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
-            answer = connection.getresponse()
-            answer.read()
-            if answer.status != 200:
-                raise RuntimeError(f"HTTP {answer.status}")
-
-        return call
-
-    calls = [caller(i) for i in range(clients)]
+    calls = [_caller(protocol, target, http_target, model, tokens, i) for i in range(clients)]
     load = closed_loop(calls, seconds=seconds, warmup_s=max(0.1, window_at - time.time()))
     out.put((load.latencies_ms, load.errors))
 
@@ -207,11 +210,17 @@ class GpuBusy:
 
 
 def server_load(export: Path, device: str, front_ends: int, protocol: str, clients: int, tokens: int,
-                seconds: float, serve_flags: tuple[str, ...] = ()) -> dict:
+                seconds: float, serve_flags: tuple[str, ...] = (), lone_seconds: float = 0.0) -> dict:
     flags = ["--device", device, "--graph", "fp16" if device == "cuda" else "optimized", "--metrics-port", "0",
              "--metrics-host", "127.0.0.1", "--http-port", "0", "--max-queue-size", str(4 * clients),
              "--front-ends", str(front_ends), *serve_flags]
     with running_server(export, flags) as server:
+        # first one client alone, one call at a time: a lone call's latency, and how many ran as express runs
+        # (serve/core/express.py: on the thread that read them, also behind front ends)
+        express0 = metric_sum(scrape_metrics(server.metrics_port), "encoder_express_runs_total")
+        lone = closed_loop([_caller(protocol, server.target, f"127.0.0.1:{server.http_port}", "", tokens, 0)],
+                           seconds=lone_seconds, warmup_s=0.5) if lone_seconds else None
+        express = metric_sum(scrape_metrics(server.metrics_port), "encoder_express_runs_total") - express0
         queue = multiprocessing.get_context("spawn").Queue()
         per = [clients // PROCESSES + (1 if i < clients % PROCESSES else 0) for i in range(PROCESSES)]
         window_at = time.time() + 5.0  # every client process started, connected and warm (2 s of load) by then
@@ -243,7 +252,9 @@ def server_load(export: Path, device: str, front_ends: int, protocol: str, clien
             "requests_per_s": requests / seconds, "tokens_per_s": requests * tokens / seconds,
             "rows_per_run": requests / runs if runs else None, **latency_summary(latencies),
             "errors": sum(e for _, e in results), "gpu_busy": busy.fraction,
-            "server_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(requests, 1)}
+            "server_cpu_ms_per_request": 1e3 * (cpu1 - cpu0) / max(requests, 1),
+            **({"lone_calls": len(lone.latencies_ms), "lone_express_runs": express,
+                **{f"lone_{k}": v for k, v in latency_summary(lone.latencies_ms).items()}} if lone else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=50, help="tokens per text, special tokens included")
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--lone-seconds", type=float, default=5.0, help="one client alone first, one call at a "
+                        "time, for this long (0: skipped): a lone call's latency")
     parser.add_argument("--workdir", default="bench-results/gpu-request-path")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 16 clients, 4 s: checks the script")
     parser.add_argument("--out", default="bench-results/gpu_request_path.json")
     args = parser.parse_args(argv)
     if args.quick:
-        args.clients, args.seconds = min(args.clients, 16), min(args.seconds, 4.0)
+        args.clients, args.seconds, args.lone_seconds = min(args.clients, 16), min(args.seconds, 4.0), \
+            min(args.lone_seconds, 2.0)
     counts = [int(n) for n in args.front_ends.split(",")] if args.front_ends else \
         [0, front_end_count(ServerConfig(device="cuda"))]  # one process, and the server's default on a GPU
     workdir = Path(args.workdir) / ("quick" if args.quick else "bert-base")
@@ -275,8 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     serve_flags = tuple(args.serve_flags.split())
     for count in counts:
         for protocol in args.protocols.split(","):
-            r = server_load(export, args.device, count, protocol, args.clients, args.tokens, args.seconds, serve_flags)
+            r = server_load(export, args.device, count, protocol, args.clients, args.tokens, args.seconds, serve_flags,
+                            args.lone_seconds)
             rows.append(r)
+            if "lone_p50_ms" in r:
+                print(f"front ends {count} {protocol:4s} {args.serve_flags}: one client alone, p50 "
+                      f"{r['lone_p50_ms']:.2f} ms  p99 {r['lone_p99_ms']:.2f} ms  ({r['lone_calls']} calls, "
+                      f"{r['lone_express_runs']:.0f} express runs, its warm-up included)", flush=True)
             print(f"front ends {count} {protocol:4s} {args.serve_flags}: {r['tokens_per_s']:9.0f} tokens/s  {r['requests_per_s']:7.0f} "
                   f"req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms  rows/run "
                   f"{r['rows_per_run'] or 0:5.1f}  GPU busy {r['gpu_busy'] if r['gpu_busy'] is not None else 'n/a'}  "

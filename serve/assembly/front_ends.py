@@ -10,7 +10,8 @@ answers) and send the checked rows to the engine over the wire (serve/core/ipc.p
   EngineService  the engine's end of the wire: each front end's work into the model's batcher (admitted as a
                  call: a drain or an unload waits for it), each answer back to the front end that asked (by
                  its outbox thread, in bursts: one message per front end for all the answers finished since
-                 its last send, written off the batcher's thread), their repository calls run on a few
+                 its last send, written off the batcher's thread; a lone request at an idle model is run and
+                 answered by the receiving thread itself, serve/core/express.py), their repository calls run on a few
                  threads, the served models and state told to every front end
   FrontEnds      the front-end processes: started with this server's settings, the ports reserved for them,
                  and a pipe whose end tells them the engine is gone; one that dies is started again (its own
@@ -141,7 +142,7 @@ class EngineService:
             held.end()
             self._send(front_end, ipc.error_frames(call_id, error))
             return
-        if ticket.done():  # an express run: answered here, no outbox to wake
+        if ticket.done():  # finished already (an express run): sent from here, no outbox to wake
             held.end()
             self._send_finished([(front_end, call_id, ticket)])
             return

@@ -5,7 +5,8 @@ go over the wire (serve/core/ipc.py) to the engine, which batches and runs them 
 and the answer comes back on the link's receiver thread, where its ticket finishes as a batcher's would.
 
   EngineLink     a front end's end of the wire: work out (by its sender thread, in bursts: every request checked
-                 since its last send in one message), answers in, control calls and their replies, and the
+                 since its last send in one message; a lone call granted an express run, by the caller's thread:
+                 serve/core/express.py), answers in, control calls and their replies, and the
                  engine's news (the served models, the server's state) to the handlers registered for it
   RemoteBatcher  the batcher of a model in a front end: its tickets in flight to the engine
   remote_engine  an Engine for a model the engine describes (`spec`, the engine's `model_spec`)
@@ -167,17 +168,17 @@ class EngineLink:
     def _finish_burst(self, items: list, body) -> None:
         """Finishes the ticket of each answer in a burst from the engine."""
         for item in items:
-                ticket = self._pending.pop(item["id"], None)
-                if ticket is None:  # an answer to an earlier incarnation, or cancelled and dropped
-                    continue
-                try:
-                    outcome = ipc.read_result(item, body, ticket.request, ticket.rows)
-                except Exception as error:  # one unreadable answer fails its own call, not the burst's others
-                    outcome = ServeError(f"the engine's answer could not be read: {type(error).__name__}: {error}")
-                if isinstance(outcome, ServeError):
-                    ticket._finish(error=outcome)
-                else:
-                    ticket._finish(outcome)
+            ticket = self._pending.pop(item["id"], None)
+            if ticket is None:  # an answer to an earlier incarnation, or cancelled and dropped
+                continue
+            try:
+                outcome = ipc.read_result(item, body, ticket.request, ticket.rows)
+            except Exception as error:  # one unreadable answer fails its own call, not the burst's others
+                outcome = ServeError(f"the engine's answer could not be read: {type(error).__name__}: {error}")
+            if isinstance(outcome, ServeError):
+                ticket._finish(error=outcome)
+            else:
+                ticket._finish(outcome)
 
 
 class RemoteBatcher:
