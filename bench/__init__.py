@@ -27,6 +27,8 @@ rerank_bench.py      rerank pairs/s, p50 | infinity-emb /rerank, CrossEncoder in
 big_model.py         a big checkpoint: RSS/weights, tokens/s, cosine | sentence-transformers | python -m bench.big_model
 pooled_clients.py    p50/p99 after idle gaps, req/s of 8 | openai, requests, httpx clients; checkouts A/B |
                      python -m bench.pooled_clients EXPORT [--serve-from CHECKOUT ...]
+lone_call.py         one client back to back: p50, server CPU per call by thread | checkouts or flags A/B, in turns |
+                     python -m bench.lone_call EXPORT [--serve-from CHECKOUT ...] [--with-flags FLAGS ...]
 soak.py              failures, RSS growth, p99 drift, 70 % load, gRPC + HTTP | its minutes 1, 2 | python -m bench.soak
 harness.py           no benchmark: the shared pieces above | - | imported
 

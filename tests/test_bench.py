@@ -64,6 +64,23 @@ def test_the_engine_cost_bench_runs_the_real_engine_and_answers_every_request(se
     assert {"engine-service", "engine-outbox", "batcher-0"} <= set(measured["by_thread_us"])
 
 
+@pytest.mark.parametrize("protocol, targets, rounds", [("grpc", 2, 2), ("http", 1, 1)])
+def test_the_lone_call_bench_measures_each_target_in_every_round(serve_export_dir, tmp_path, protocol, targets,
+                                                                 rounds):
+    from bench import lone_call
+
+    out = tmp_path / "lone.json"
+    more = ["--with-flags", "--express-run-ms 0"] if targets == 2 else []
+    assert lone_call.main([str(serve_export_dir), *more, "--protocol", protocol, "--rounds", str(rounds),
+                           "--calls", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["rounds"]) == rounds and all(len(measured) == targets for measured in report["rounds"])
+    for measured in (m for r in report["rounds"] for m in r.values()):
+        assert measured["p50_ms"] > 0
+        # /proc counts CPU in 10 ms ticks: 20 calls on the tiny model may read 0; the threads are still named
+        assert measured["cpu_us_per_call"] >= 0 and measured["threads_us_per_call"]
+
+
 # --- the floor under the lone request (bench/bare_native.py): a measuring tool, but its answers must be the graph's
 @NEEDS_NATIVE
 @pytest.mark.parametrize("hop", [False, True], ids=["on-the-pump", "one-hop"])
