@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=50, help="tokens per text, special tokens included")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--lone-seconds", type=float, default=5.0, help="one client alone first, one call at a "
+    parser.add_argument("--lone-seconds", type=float, default=3.0, help="one client alone first, one call at a "
                         "time, for this long (0: skipped): a lone call's latency")
     parser.add_argument("--workdir", default="bench-results/gpu-request-path")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 16 clients, 4 s: checks the script")
