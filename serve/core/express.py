@@ -26,28 +26,36 @@ waking its writer. Measured with one front end, one gRPC client, tiny export: fi
 from __future__ import annotations
 
 import contextvars
-import threading
 
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("express_allowed", default=False)
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("answering_alone", default=False)
 
 
-class granted:
-    """`with granted(allowed):` grants the express run to what the block starts on this thread, when `allowed`
-    (a class, not a generator: it wraps every unary call the transports start)."""
+class _Scope:
+    """`with Scope(on):` sets its flag for what the block does on this thread when `on`, and restores it after (a
+    class, not a generator: the transports wrap every unary call in one)."""
 
-    __slots__ = ("allowed", "token")
+    __slots__ = ("on", "token")
+    flag: contextvars.ContextVar[bool]
 
-    def __init__(self, allowed: bool) -> None:
-        self.allowed = allowed
+    def __init__(self, on: bool) -> None:
+        self.on = on
         self.token: contextvars.Token | None = None
 
     def __enter__(self) -> None:
-        if self.allowed:
-            self.token = _ALLOWED.set(True)
+        if self.on:
+            self.token = self.flag.set(True)
 
     def __exit__(self, *exception) -> None:
         if self.token is not None:
-            _ALLOWED.reset(self.token)
+            self.flag.reset(self.token)
+
+
+class granted(_Scope):
+    """`with granted(allowed):` grants the express run to what the block starts on this thread, when `allowed`."""
+
+    __slots__ = ()
+    flag = _ALLOWED
 
 
 def take() -> bool:
@@ -58,28 +66,16 @@ def take() -> bool:
     return True
 
 
-_ALONE = threading.local()
-
-
-class answering_alone:
+class answering_alone(_Scope):
     """`with answering_alone(alone):` says, when `alone`, that the answers made in the block are the only work of
-    this thread meanwhile (a front end's link with one answer in hand and no other call in flight), so a transport
-    may send them on it instead of waking a writer thread (serve/transport/native.py)."""
+    this thread meanwhile (the native transport's pump, for as long as it runs; a front end's link with one answer in
+    hand and no other call in flight), so a transport may send them on it instead of waking a writer thread
+    (serve/transport/native.py)."""
 
-    __slots__ = ("alone",)
-
-    def __init__(self, alone: bool) -> None:
-        self.alone = alone
-
-    def __enter__(self) -> None:
-        if self.alone:
-            _ALONE.on = True
-
-    def __exit__(self, *exception) -> None:
-        if self.alone:
-            _ALONE.on = False
+    __slots__ = ()
+    flag = _ALONE
 
 
 def alone() -> bool:
     """Whether this thread answers alone (`answering_alone`)."""
-    return getattr(_ALONE, "on", False)
+    return _ALONE.get()

@@ -59,13 +59,11 @@ class NativeRpc(Rpc):
         self._owner._t.write(self._id, payload)
 
     def _close(self, code: grpc.StatusCode, message: str, payload: bytes | None) -> None:
-        # sent by C++, never under the GIL: on the pump's own thread when the pump made the answer (an express run,
-        # a refusal: the pump has nothing else to do, and waking the writer would cost more than the send) or a
-        # thread answers alone (express.answering_alone: a front end's link with one answer), else handed to C++'s
-        # writer thread (the batcher's answers: no hop through the pump, the batcher goes on)
-        owner = self._owner
-        owner._t.finish(self._id, code.value[0], message, payload,
-                        threading.get_ident() == owner._pump_id or express.alone())
+        # sent by C++, never under the GIL: on the answering thread when it answers alone (express.answering_alone:
+        # the pump, for an express run or a refusal, has nothing else to do, and waking the writer would cost more
+        # than the send; a front end's link with one answer), else handed to C++'s writer thread (the batcher's
+        # answers: no hop through the pump, the batcher goes on)
+        self._owner._t.finish(self._id, code.value[0], message, payload, express.alone())
 
     def _end(self) -> bool:
         ended = super()._end()
@@ -92,7 +90,6 @@ class NativeTransport:
         self._unary: dict[int, NativeRpc] = {}
         self._streams = frozenset(streams)
         self._stopping = False
-        self._pump_id: int | None = None  # the pump thread's ident: answers made on it are sent on it
         self._thread = threading.Thread(target=self._pump, name="transport-pump", daemon=True)
 
     def start(self) -> None:
@@ -100,7 +97,10 @@ class NativeTransport:
 
     def _pump(self) -> None:
         logs.name_thread("transport-pump")
-        self._pump_id = threading.get_ident()
+        with express.answering_alone(True):  # what the pump answers itself, it sends itself (NativeRpc._close)
+            self._route()
+
+    def _route(self) -> None:
         m, t, router, calls, unary, streams = (self._m, self._t, self._router, self._calls, self._unary,
                                                 self._streams)
         START, MESSAGE, HALF_CLOSE = m.START, m.MESSAGE, m.HALF_CLOSE
