@@ -1,9 +1,15 @@
 // The native gRPC transport: gRPC C++ moves bytes, Python holds every rule (design: serve/transport/native.py
 // and docs/serving.md "One front end").
 //
-// Every method arrives through one generic callback service as bytes. C++ knows no message type, no
-// method but by name, no limit but gRPC's own receive size, and no status text: it hands Python what
-// arrived and sends back what Python answers.
+// Every method arrives through one generic service as bytes. C++ knows no message type, no method but by
+// name, no limit but gRPC's own receive size, and no status text: it hands Python what arrived and sends back
+// what Python answers.
+//
+// gRPC's asynchronous API, one completion queue, three threads: the POLLER (C++) polls the queue itself (it is
+// the thread that reads the socket) and turns each completion into an event for Python at once; Python's pump
+// takes the events (`next`); the WRITER (C++) sends the answers Python hands over. gRPC's callback API, used
+// before, ran each reaction through two threads of its own (an event-engine poller, then a "nexting" thread):
+// one wake-up and ~100-150 µs of CPU more per call (docs/performance.md, "A completion queue of our own").
 //
 //   next(timeout)   -> every event queued since the last call, in ONE wake-up (the GIL is released while
 //                      waiting): (START, id, method, first message | None, metadata, seconds to deadline:
@@ -18,14 +24,16 @@
 //                                thread that has nothing else to do meanwhile). gRPC's write path never holds the GIL
 //
 // A unary call is one START event with its request (None if the client sent none). A cancelled call is
-// finished here with CANCELLED at once (gRPC needs Finish for every call); Python's later finish is ignored.
+// ended here at once; Python's later finish is ignored.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/completion_queue.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -81,8 +89,6 @@ grpc::ByteBuffer buffer_of(std::string&& bytes) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-class Transport;
-
 struct Answer {  // a call's status and its last message (a unary answer), from Python
   int64_t id;
   int code;
@@ -90,84 +96,44 @@ struct Answer {  // a call's status and its last message (a unary answer), from 
   std::optional<std::string> payload;
 };
 
-// One call. Python-side operations (write / finish) and gRPC's reactions share `mu_` (recursive: a
-// reaction may run inline inside a Start* call made under it). Owned by the transport's map (a
-// shared_ptr) until OnDone; a Python operation holds its own reference while it runs, so the reactor
-// outlives it, and after OnDone (`done_`) it does nothing.
-class Reactor final : public grpc::ServerGenericBidiReactor {
- public:
-  Reactor(Transport* t, grpc::GenericCallbackServerContext* ctx, int64_t id, bool streaming)
-      : t_(t), ctx_(ctx), id_(id), streaming_(streaming) {}
+class Transport;
 
-  void Begin() { StartRead(&read_); }
-  void OnReadDone(bool ok) override;
-  void OnWriteDone(bool ok) override;
-  void OnCancel() override;
-  void OnDone() override;
+enum Op { REQUEST = 0, READ = 1, WRITE = 2, DONE = 3 };
 
-  void Write(std::string&& bytes) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    if (done_ || finished_ || finishing_) return;
-    writes_.push_back(buffer_of(std::move(bytes)));
-    Pump();
-  }
-
-  void Finish(grpc::Status status, std::optional<std::string>&& last) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    if (done_ || finished_ || finishing_) return;
-    finishing_ = true;
-    status_ = std::move(status);
-    if (last) writes_.push_back(buffer_of(std::move(*last)));
-    Pump();
-  }
-
- private:
-  // Starts the next write, or the finish once every write went out.
-  void Pump() {
-    if (writing_ || finished_) return;
-    if (!writes_.empty()) {
-      current_ = std::move(writes_.front());
-      writes_.pop_front();
-      writing_ = true;
-      if (finishing_ && writes_.empty() && status_.ok()) {
-        finished_ = true;
-        StartWriteAndFinish(&current_, grpc::WriteOptions(), status_);
-      } else {
-        StartWrite(&current_);
-      }
-      return;
-    }
-    if (finishing_) {
-      finished_ = true;
-      grpc::ServerGenericBidiReactor::Finish(status_);
-    }
-  }
-
-  Transport* t_;
-  grpc::GenericCallbackServerContext* ctx_;
-  int64_t id_;
-  bool streaming_;
-  bool started_ = false;  // START delivered
-  grpc::ByteBuffer read_;
-  std::recursive_mutex mu_;
-  std::deque<grpc::ByteBuffer> writes_;
-  grpc::ByteBuffer current_;
-  bool writing_ = false, finishing_ = false, finished_ = false, done_ = false;
-  grpc::Status status_;
+struct Call;
+struct Tag {
+  Call* call;
+  Op op;
 };
 
-class Service final : public grpc::CallbackGenericService {
- public:
-  explicit Service(Transport* t) : t_(t) {}
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override;
+// One call, from the request gRPC hands over to the done tag. Python-side operations (write / finish, any thread)
+// and the completions (the polling thread) share `mu`. Owned by the transport's map (a shared_ptr) from its
+// arrival until its last operation completed after the done tag; a Python operation holds its own reference while
+// it runs, so the call outlives it, and once `closed` it starts nothing.
+struct Call {
+  explicit Call(Transport* t) : t(t), stream(&ctx) {}
+  Transport* t;
+  grpc::GenericServerContext ctx;
+  grpc::GenericServerAsyncReaderWriter stream;
+  Tag request_tag{this, REQUEST}, read_tag{this, READ}, write_tag{this, WRITE}, done_tag{this, DONE};
+  int64_t id = 0;
+  bool streaming = false;
+  std::mutex mu;
+  grpc::ByteBuffer read_buf;
+  std::deque<grpc::ByteBuffer> writes;
+  grpc::ByteBuffer current;
+  grpc::Status status;
+  bool started = false, reading = false, writing = false, finishing = false, finished = false, done = false,
+       closed = false;
 
- private:
-  Transport* t_;
+  void Write(std::string&& bytes);
+  void Finish(grpc::Status s, std::optional<std::string>&& last);
+  void Pump();  // under mu
 };
 
 class Transport {
  public:
-  Transport() : service_(this) {}
+  Transport() = default;
   ~Transport() {
     try {
       stop(0.0);
@@ -196,12 +162,15 @@ class Transport {
     builder.AddListeningPort(address, creds, &port);
     builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive_bytes, INT32_MAX)));
     builder.SetMaxSendMessageSize(-1);
-    builder.RegisterCallbackGenericService(&service_);
+    builder.RegisterAsyncGenericService(&service_);
+    cq_ = builder.AddCompletionQueue();
     {
       py::gil_scoped_release unlocked;
       server_ = builder.BuildAndStart();
     }
     if (!server_ || port == 0) throw std::runtime_error("cannot listen on " + address);
+    for (int i = 0; i < kWaiting; ++i) await_call();
+    poller_ = std::thread([this] { poll_loop(); });
     writer_ = std::thread([this] { write_loop(); });
     return port;
   }
@@ -212,8 +181,7 @@ class Transport {
     {
       py::gil_scoped_release unlocked;
       std::unique_lock<std::mutex> lock(mu_);
-      ready_.wait_for(lock, std::chrono::duration<double>(timeout),
-                      [&] { return !events_.empty() || stopped_; });
+      ready_.wait_for(lock, std::chrono::duration<double>(timeout), [&] { return !events_.empty() || stopped_; });
       taken.swap(events_);
     }
     py::list out;
@@ -242,18 +210,17 @@ class Transport {
   void write(int64_t id, py::bytes payload) {
     std::string bytes = payload;
     py::gil_scoped_release unlocked;
-    if (auto r = find(id)) r->Write(std::move(bytes));
+    if (auto c = find(id)) c->Write(std::move(bytes));
   }
 
   // One call's status and last message, handed to the writer thread (the caller goes on at once), or sent here.
   void finish(int64_t id, int code, const std::string& message, py::object payload, bool here) {
     Answer a{id, code, message, std::nullopt};
     if (!payload.is_none()) a.payload = payload.cast<std::string>();
-    if (here) {  // on this thread, the GIL released: no wake-up of the writer
+    if (here) {
       py::gil_scoped_release unlocked;
-      if (auto r = find(id)) {
-        r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
-      }
+      if (auto c = find(id)) c->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message),
+                                       std::move(a.payload));
       return;
     }
     {
@@ -263,27 +230,51 @@ class Transport {
     write_ready_.notify_one();
   }
 
-  // Stops listening; calls still open after `grace` s are cancelled by gRPC.
+  // Stops listening; calls still open after `grace` s are cancelled by gRPC. The poller handles what completes
+  // meanwhile, then the queue is shut down and drained.
   void stop(double grace) {
     std::unique_ptr<grpc::Server> server;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_) return;
-      stopped_ = true;
+      stopped_ = true;  // no call is awaited any more
       server = std::move(server_);
     }
     ready_.notify_all();
     py::gil_scoped_release unlocked;
     {
       std::lock_guard<std::mutex> lock(write_mu_);
-      writing_stopped_ = true;  // the writer sends what it holds, then ends
+      writing_stopped_ = true;
     }
     write_ready_.notify_all();
     if (writer_.joinable()) writer_.join();
-    if (server) {
-      server->Shutdown(std::chrono::system_clock::now() +
-                       std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, grace) * 1e6)));
-      server->Wait();
+    if (!server) {  // never started: the queue still needs its shutdown
+      if (cq_ && !poller_.joinable()) {
+        cq_->Shutdown();
+        void* tag;
+        bool ok;
+        while (cq_->Next(&tag, &ok)) {
+        }
+      }
+      return;
+    }
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(std::max(0.0, grace) * 1e6)));
+    server->Wait();
+    std::vector<std::shared_ptr<Call>> open;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ops_closed_ = true;  // no operation starts any more (the queue is about to shut down)
+      for (auto& kv : calls_) open.push_back(kv.second);
+    }
+    for (auto& c : open) {  // an operation that was starting has started (its completion is queued)
+      std::lock_guard<std::mutex> held(c->mu);
+    }
+    cq_->Shutdown();
+    if (poller_.joinable()) poller_.join();  // it handles what completes meanwhile, then ends
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls_.clear();
     }
   }
 
@@ -292,15 +283,7 @@ class Transport {
     return static_cast<int64_t>(calls_.size());
   }
 
-  // -- from the reactors (gRPC's threads) ------------------------------------------------------
-  Reactor* open(grpc::GenericCallbackServerContext* ctx) {
-    const bool streaming = streaming_.count(ctx->method()) > 0;
-    std::lock_guard<std::mutex> lock(mu_);
-    const int64_t id = ++next_id_;
-    auto r = std::make_shared<Reactor>(this, ctx, id, streaming);
-    calls_[id] = r;
-    return r.get();
-  }
+  bool ops_closed() const { return ops_closed_.load(); }
 
   void push(Event&& e) {
     {
@@ -310,19 +293,124 @@ class Transport {
     ready_.notify_one();
   }
 
-  void closed(int64_t id) {
-    std::shared_ptr<Reactor> last;  // destroyed after the lock is released
+ private:
+  static constexpr int kWaiting = 32;  // calls awaited at once (each arrival awaits the next)
+
+  void await_call() {  // under no lock; skipped once stopped
+    auto* c = new Call(this);
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = calls_.find(id);
-    if (it == calls_.end()) return;
-    last = std::move(it->second);
-    calls_.erase(it);
+    if (stopped_) {
+      delete c;
+      return;
+    }
+    c->ctx.AsyncNotifyWhenDone(&c->done_tag);
+    service_.RequestCall(&c->ctx, &c->stream, cq_.get(), cq_.get(), &c->request_tag);
   }
 
- private:
-  // The writer thread: each answer Python handed over, sent in the order given.
+  void handle(Tag* tag, bool ok) {
+    Call* c = tag->call;
+    switch (tag->op) {
+      case REQUEST: {
+        if (!ok) {  // the server shuts down: the done tag never comes for a call that never started
+          delete c;
+          return;
+        }
+        std::shared_ptr<Call> owned(c);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          c->id = ++next_id_;
+          calls_[c->id] = owned;
+        }
+        c->streaming = streaming_.count(c->ctx.method()) > 0;
+        {
+          std::lock_guard<std::mutex> lock(c->mu);
+          if (!ops_closed()) {
+            c->reading = true;
+            c->stream.Read(&c->read_buf, &c->read_tag);
+          }
+        }
+        await_call();
+        return;
+      }
+      case READ: {
+        std::unique_lock<std::mutex> lock(c->mu);
+        c->reading = false;
+        if (!c->started) {
+          c->started = true;
+          Event e{START, c->id, c->ctx.method(), std::nullopt, {}, std::nullopt};
+          if (ok && !c->streaming) e.payload = dump(c->read_buf);
+          for (const auto& kv : c->ctx.client_metadata()) {
+            e.metadata.emplace_back(std::string(kv.first.data(), kv.first.size()),
+                                    std::string(kv.second.data(), kv.second.size()));
+          }
+          e.remaining = std::chrono::duration<double>(c->ctx.deadline() - std::chrono::system_clock::now()).count();
+          e.arrived = monotonic_now();
+          push(std::move(e));
+          if (!c->streaming) break;  // a unary call: one request, answered by finish()
+        }
+        if (!ok) {
+          if (!c->finished) push(Event{HALF_CLOSE, c->id, {}, std::nullopt, {}, std::nullopt});
+          break;
+        }
+        push(Event{MESSAGE, c->id, {}, dump(c->read_buf), {}, std::nullopt});
+        if (!c->done && !ops_closed()) {
+          c->reading = true;
+          c->stream.Read(&c->read_buf, &c->read_tag);
+        }
+        break;
+      }
+      case WRITE: {
+        std::lock_guard<std::mutex> lock(c->mu);
+        c->writing = false;
+        if (!ok) {  // the stream broke (the client left): nothing more can be sent
+          c->writes.clear();
+          c->finishing = c->finished = true;
+        } else {
+          c->Pump();
+        }
+        break;
+      }
+      case DONE: {
+        bool cancelled = false;
+        {
+          std::lock_guard<std::mutex> lock(c->mu);
+          c->done = true;
+          if (c->ctx.IsCancelled() && !c->finished) {
+            cancelled = true;
+            c->writes.clear();
+            c->finishing = c->finished = true;
+          }
+        }
+        if (cancelled) push(Event{CANCEL, c->id, {}, std::nullopt, {}, std::nullopt});
+        break;
+      }
+    }
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      if (c->done && !c->reading && !c->writing && !c->closed) last = c->closed = true;
+    }
+    if (last) {
+      std::shared_ptr<Call> gone;  // destroyed after the lock is released
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = calls_.find(c->id);
+      if (it != calls_.end()) {
+        gone = std::move(it->second);
+        calls_.erase(it);
+      }
+    }
+  }
+
+  // The poller thread: gRPC's completions (a call arrived, a read, a write, a call done), handled as they come.
+  void poll_loop() {
+    pthread_setname_np(pthread_self(), "grpc-poller");
+    void* tag;
+    bool ok;
+    while (cq_->Next(&tag, &ok)) handle(static_cast<Tag*>(tag), ok);
+  }
+
   void write_loop() {
-    pthread_setname_np(pthread_self(), "grpc-writer");  // its CPU is the transport's, not a model's (profiles)
+    pthread_setname_np(pthread_self(), "grpc-writer");
     std::deque<Answer> taken;
     while (true) {
       {
@@ -332,110 +420,73 @@ class Transport {
         taken.swap(finishes_);
       }
       for (auto& a : taken) {
-        if (auto r = find(a.id)) {
-          r->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
+        if (auto c = find(a.id)) {
+          c->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
         }
       }
       taken.clear();
     }
   }
 
-  // The call's reactor (a reference that keeps it alive), or null once gRPC is done with it.
-  std::shared_ptr<Reactor> find(int64_t id) {
+  std::shared_ptr<Call> find(int64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(id);
     return it == calls_.end() ? nullptr : it->second;
   }
 
-  Service service_;
+  grpc::AsyncGenericService service_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   std::unique_ptr<grpc::Server> server_;
   std::unordered_set<std::string> streaming_;
   std::mutex mu_;
-  std::condition_variable ready_;
   std::deque<Event> events_;
-  std::unordered_map<int64_t, std::shared_ptr<Reactor>> calls_;
+  std::unordered_map<int64_t, std::shared_ptr<Call>> calls_;
   int64_t next_id_ = 0;
   bool stopped_ = false;
-  std::thread writer_;
+  std::atomic<bool> ops_closed_{false};  // set once the server is down: the queue is about to shut down
+  std::condition_variable ready_;
+  std::thread poller_, writer_;
   std::mutex write_mu_;
   std::condition_variable write_ready_;
   std::deque<Answer> finishes_;
   bool writing_stopped_ = false;
 };
 
-grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* ctx) {
-  Reactor* r = t_->open(ctx);
-  r->Begin();
-  return r;
-}
-
-void Reactor::OnReadDone(bool ok) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  if (!started_) {
-    started_ = true;
-    Event e{START, id_, ctx_->method(), std::nullopt, {}, std::nullopt};
-    if (ok && !streaming_) e.payload = dump(read_);
-    for (const auto& kv : ctx_->client_metadata()) {
-      e.metadata.emplace_back(std::string(kv.first.data(), kv.first.size()),
-                              std::string(kv.second.data(), kv.second.size()));
-    }
-    // seconds to the deadline as gRPC has it (no deadline: centuries; Python's Rpc reads that as none)
-    e.remaining = std::chrono::duration<double>(ctx_->deadline() - std::chrono::system_clock::now()).count();
-    e.arrived = monotonic_now();
-    t_->push(std::move(e));
-    if (!streaming_) return;  // a unary call: one request, answered by finish()
-    if (!ok) {
-      t_->push(Event{HALF_CLOSE, id_, {}, std::nullopt, {}, std::nullopt});
-      return;
-    }
-  } else if (!ok) {
-    t_->push(Event{HALF_CLOSE, id_, {}, std::nullopt, {}, std::nullopt});
-    return;
-  }
-  if (ok) {
-    t_->push(Event{MESSAGE, id_, {}, dump(read_), {}, std::nullopt});
-    StartRead(&read_);
-  }
-}
-
-void Reactor::OnWriteDone(bool ok) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  writing_ = false;
-  if (!ok) {  // the stream broke (the client left): nothing more can be sent
-    writes_.clear();
-    if (!finished_) {
-      finished_ = true;
-      grpc::ServerGenericBidiReactor::Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
-    }
-    return;
-  }
+void Call::Write(std::string&& bytes) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (closed || finished || finishing) return;
+  writes.push_back(buffer_of(std::move(bytes)));
   Pump();
 }
 
-void Reactor::OnCancel() {
-  {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    if (finished_) return;
-    if (!writing_) {
-      finished_ = true;
-      grpc::ServerGenericBidiReactor::Finish(grpc::Status::CANCELLED);
-    } else {
-      writes_.clear();
-      finishing_ = true;
-      status_ = grpc::Status::CANCELLED;
-    }
-  }
-  t_->push(Event{CANCEL, id_, {}, std::nullopt, {}, std::nullopt});
+void Call::Finish(grpc::Status s, std::optional<std::string>&& last) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (closed || finished || finishing) return;
+  finishing = true;
+  status = std::move(s);
+  if (last) writes.push_back(buffer_of(std::move(*last)));
+  Pump();
 }
 
-void Reactor::OnDone() {
-  {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    done_ = true;
+void Call::Pump() {
+  if (writing || finished || closed || t->ops_closed()) return;
+  if (!writes.empty()) {
+    current = std::move(writes.front());
+    writes.pop_front();
+    writing = true;
+    if (finishing && writes.empty() && status.ok()) {
+      finished = true;
+      stream.WriteAndFinish(current, grpc::WriteOptions(), status, &write_tag);
+    } else {
+      stream.Write(current, &write_tag);
+    }
+    return;
   }
-  Transport* t = t_;
-  const int64_t id = id_;
-  t->closed(id);  // may destroy this reactor: touch nothing of it after
+  if (finishing) {
+    finished = true;
+    writing = true;
+    stream.Finish(status, &write_tag);
+  }
 }
 
 }  // namespace

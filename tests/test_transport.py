@@ -245,6 +245,41 @@ def test_an_answer_and_a_refusal_arrive_whichever_thread_sends_them(bare_transpo
         assert (error.value.code(), error.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
 
 
+@NEEDS_NATIVE
+def test_a_call_the_client_cancels_reaches_python_as_cancel_and_is_forgotten(bare_transport):
+    module, transport, port = bare_transport
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        pending = channel.unary_unary(CLOCK_METHOD).future(b"one", timeout=60)
+        call_id = _first_start(module, transport)[1]
+        assert transport.open_calls() == 1
+        pending.cancel()
+        deadline, cancels = time.monotonic() + 60, []
+        while not cancels and time.monotonic() < deadline:
+            cancels = [e for e in transport.next(1.0) if e[0] == module.CANCEL and e[1] == call_id]
+        assert cancels, "the client's cancel never reached Python"
+        transport.finish(call_id, grpc.StatusCode.OK.value[0], "", b"too late", True)  # ignored, harmlessly
+        assert wait_until(lambda: transport.open_calls() == 0, 30)
+        answered = channel.unary_unary(CLOCK_METHOD).future(b"two", timeout=60)  # the transport serves on
+        transport.finish(_first_start(module, transport)[1], grpc.StatusCode.OK.value[0], "", b"answer", False)
+        assert answered.result(timeout=30) == b"answer"
+
+
+@NEEDS_NATIVE
+def test_a_transport_that_cannot_listen_says_where_and_another_starts_after_it():
+    from serve.transport.native import load_module
+
+    module = load_module()
+    failed = module.Transport()
+    with pytest.raises(RuntimeError, match="cannot listen on 256.1.1.1:0"):
+        failed.start("256.1.1.1:0", 1 << 20, None, [])
+    failed.stop(0)  # nothing to stop, and no crash
+    working = module.Transport()
+    try:
+        assert working.start("127.0.0.1:0", 1 << 20, None, []) > 0
+    finally:
+        working.stop(0)
+
+
 def test_a_calls_deadline_counts_from_its_arrival():
     arrived = time.monotonic() - 2.0  # the call waited 2 s for the pump
     rpc = Rpc(CLOCK_METHOD, (), remaining=5.0, received=arrived)
