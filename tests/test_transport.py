@@ -269,9 +269,9 @@ def test_a_transport_that_cannot_listen_says_where_and_another_starts_after_it()
     from serve.transport.native import load_module
 
     module = load_module()
-    failed = module.Transport()
-    with pytest.raises(RuntimeError, match="cannot listen on 256.1.1.1:0"):
-        failed.start("256.1.1.1:0", 1 << 20, None, [])
+    failed = module.Transport()  # 192.0.2.1: a documentation address (RFC 5737), on no interface here
+    with pytest.raises(RuntimeError, match="cannot listen on 192.0.2.1:0"):
+        failed.start("192.0.2.1:0", 1 << 20, None, [])
     failed.stop(0)  # nothing to stop, and no crash
     working = module.Transport()
     try:
