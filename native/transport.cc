@@ -128,6 +128,10 @@ struct Call {
 
   void Write(std::string&& bytes);
   void Finish(grpc::Status s, std::optional<std::string>&& last);
+  void Finish(Answer&& a) {
+    Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
+  }
+  void Read();  // under mu
   void Pump();  // under mu
 };
 
@@ -219,8 +223,7 @@ class Transport {
     if (!payload.is_none()) a.payload = payload.cast<std::string>();
     if (here) {
       py::gil_scoped_release unlocked;
-      if (auto c = find(id)) c->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message),
-                                       std::move(a.payload));
+      if (auto c = find(id)) c->Finish(std::move(a));
       return;
     }
     {
@@ -249,7 +252,7 @@ class Transport {
     write_ready_.notify_all();
     if (writer_.joinable()) writer_.join();
     if (!server) {  // never started: the queue still needs its shutdown
-      if (cq_ && !poller_.joinable()) {
+      if (cq_) {
         cq_->Shutdown();
         void* tag;
         bool ok;
@@ -324,16 +327,13 @@ class Transport {
         c->streaming = streaming_.count(c->ctx.method()) > 0;
         {
           std::lock_guard<std::mutex> lock(c->mu);
-          if (!ops_closed()) {
-            c->reading = true;
-            c->stream.Read(&c->read_buf, &c->read_tag);
-          }
+          c->Read();
         }
         await_call();
         return;
       }
       case READ: {
-        std::unique_lock<std::mutex> lock(c->mu);
+        std::lock_guard<std::mutex> lock(c->mu);
         c->reading = false;
         if (!c->started) {
           c->started = true;
@@ -353,10 +353,7 @@ class Transport {
           break;
         }
         push(Event{MESSAGE, c->id, {}, dump(c->read_buf), {}, std::nullopt});
-        if (!c->done && !ops_closed()) {
-          c->reading = true;
-          c->stream.Read(&c->read_buf, &c->read_tag);
-        }
+        if (!c->done) c->Read();
         break;
       }
       case WRITE: {
@@ -420,9 +417,7 @@ class Transport {
         taken.swap(finishes_);
       }
       for (auto& a : taken) {
-        if (auto c = find(a.id)) {
-          c->Finish(grpc::Status(static_cast<grpc::StatusCode>(a.code), a.message), std::move(a.payload));
-        }
+        if (auto c = find(a.id)) c->Finish(std::move(a));
       }
       taken.clear();
     }
@@ -466,6 +461,12 @@ void Call::Finish(grpc::Status s, std::optional<std::string>&& last) {
   status = std::move(s);
   if (last) writes.push_back(buffer_of(std::move(*last)));
   Pump();
+}
+
+void Call::Read() {
+  if (t->ops_closed()) return;
+  reading = true;
+  stream.Read(&read_buf, &read_tag);
 }
 
 void Call::Pump() {
