@@ -29,6 +29,10 @@ pooled_clients.py    p50/p99 after idle gaps, req/s of 8 | openai, requests, htt
                      python -m bench.pooled_clients EXPORT [--serve-from CHECKOUT ...]
 lone_call.py         one client back to back: p50, server CPU per call by thread | checkouts or flags A/B, in turns |
                      python -m bench.lone_call EXPORT [--serve-from CHECKOUT ...] [--with-flags FLAGS ...]
+bare_native.py       no benchmark: our native transport + parse + run, the lone call's floor | (the floor itself) |
+                     compare.sh with PROJECT_PYTHON=bench/bare_native_python.sh --config 'floor=--bare-floor'
+padding_graph.py     session.run, nodes: a graph for the padding mask alone | the export's dense graph (all kinds) |
+                     python -m bench.padding_graph EXPORT_DIR (an experiment: the server does not serve it)
 soak.py              failures, RSS growth, p99 drift, 70 % load, gRPC + HTTP | its minutes 1, 2 | python -m bench.soak
 harness.py           no benchmark: the shared pieces above | - | imported
 

@@ -139,3 +139,19 @@ def test_the_bare_floor_answers_kserve_v2_with_the_graphs_own_pooled_embedding(s
     finally:
         server.terminate()
         server.wait(timeout=60)  # raises TimeoutExpired if SIGTERM did not end it
+
+
+# --- the padding-mask graph (bench/padding_graph.py): an experiment, but its two graphs must answer alike
+def test_the_padding_mask_graph_answers_bidirectional_rows_as_the_dense_graph_with_fewer_nodes(serve_export_dir,
+                                                                                               tmp_path):
+    from bench.padding_graph import main as padding_graph
+
+    out = tmp_path / "padding.json"
+    assert padding_graph([str(serve_export_dir), "--shapes", "1x8,2x16", "--rounds", "1", "--runs", "2",
+                          "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(row["batch"], row["length"]) for row in result["rows"]] == [(1, 8), (2, 16)]
+    for row in result["rows"]:
+        assert row["max_abs_difference"] <= 1e-6
+        assert row["padding_nodes"] < row["full_nodes"]
+    assert result["mixed_max_abs_difference"] <= 1e-6  # rows padded inside the batch
