@@ -19,6 +19,7 @@ export's configuration (seed 0): the cost of a run does not depend on them. An e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -62,7 +63,8 @@ def export_graphs(config, out_dir: Path) -> dict[str, Path]:
     for name in ("full", "padding"):
         plain, optimized = out_dir / f"{name}.onnx", out_dir / f"{name}.optimized.onnx"
         # traced directly, not through export/trace_cache.py: its key (the configuration) is the same for both
-        with mock.patch.object(encoder, "build_allowed", padding_rule if name == "padding" else encoder.build_allowed):
+        patched = name == "padding"
+        with mock.patch.object(encoder, "build_allowed", padding_rule) if patched else contextlib.nullcontext():
             exporter._trace(dense, contract, plain, kwargs, dynamic, False)
         build_optimized(str(plain), str(optimized), config)
         graphs[name] = optimized
@@ -97,9 +99,13 @@ def measure(config, graphs: dict[str, Path], shapes: list[tuple[int, int]], roun
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         nodes[name] = len(onnx.load(str(path), load_external_data=False).graph.node)
+
+    def taken(name: str, feeds: dict) -> dict:  # the padding graph has no mask-choice inputs
+        names = {i.name for i in sessions[name].get_inputs()}
+        return {k: v for k, v in feeds.items() if k in names}
+
     def outputs_of(name: str, feeds: dict) -> list:
-        taken = {i.name for i in sessions[name].get_inputs()}
-        return sessions[name].run(None, {k: v for k, v in feeds.items() if k in taken})
+        return sessions[name].run(None, taken(name, feeds))
 
     # rows of unequal lengths (padding inside the batch): the two graphs' outputs, compared once
     mixed = make_feeds(config, MIXED_LENGTHS, MaskSpec(), seed=2)
@@ -108,10 +114,7 @@ def measure(config, graphs: dict[str, Path], shapes: list[tuple[int, int]], roun
     rows = []
     for batch, length in shapes:
         feeds = make_feeds(config, [length] * batch, MaskSpec(), seed=1)
-        seconds = {}
-        for name, session in sessions.items():
-            taken = {i.name for i in session.get_inputs()}
-            seconds[name] = time_runs(session, {k: v for k, v in feeds.items() if k in taken}, rounds, runs)
+        seconds = {name: time_runs(session, taken(name, feeds), rounds, runs) for name, session in sessions.items()}
         difference = max(float(np.abs(a - b).max()) for a, b in zip(outputs_of("full", feeds),
                                                                       outputs_of("padding", feeds)))
         rows.append({"batch": batch, "length": length, "full_us": seconds["full"] * 1e6,
