@@ -44,7 +44,6 @@ def export_graphs(config, out_dir: Path) -> dict[str, Path]:
 
     import model.encoder as encoder
     from export import exporter
-    from export.cases import MaskSpec, make_feeds
     from export.contract import ExportContract
     from export.optimize import build_optimized
 
@@ -52,13 +51,7 @@ def export_graphs(config, out_dir: Path) -> dict[str, Path]:
     model = encoder.build_encoder(config).eval()
     contract = ExportContract(config)
     dense = exporter.with_path(model, contract.path)
-    feeds = make_feeds(config, exporter.SAMPLE_LENGTHS, MaskSpec(), seed=0)
-    axis = {"batch": torch.export.Dim("batch", min=1, max=4096),
-            "sequence": torch.export.Dim("sequence", min=1, max=config.position_limit or exporter.MAX_SEQUENCE)}
-    param = {spec.name: ("inputs" if i == 0 else spec.name) for i, spec in enumerate(contract.inputs)}
-    kwargs = {param[s.name]: torch.from_numpy(feeds[s.name]) for s in contract.inputs}
-    dynamic = {param[s.name]: {i: axis[d] for i, d in enumerate(s.dims) if isinstance(d, str)}
-               for s in contract.inputs}
+    kwargs, dynamic = exporter.trace_arguments(contract)
     graphs = {}
     for name in ("full", "padding"):
         plain, optimized = out_dir / f"{name}.onnx", out_dir / f"{name}.optimized.onnx"

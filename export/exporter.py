@@ -65,8 +65,16 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
     sequence axes taken from the contract. Long-input paths translate their attention op into the
     O(T·w) / O(T) subgraphs of export/long_graphs.py."""
     path = Path(path)
-    config = contract.config
     model = with_path(model, contract.path)
+    kwargs, dynamic = trace_arguments(contract)
+    trace_cache.traced(model, contract, path, external_data,
+                       lambda out: _trace(model, contract, out, kwargs, dynamic, external_data))
+
+
+def trace_arguments(contract: ExportContract) -> tuple[dict, dict]:
+    """The sample inputs torch.export traces with (Encoder.forward's keyword arguments) and their symbolic batch and
+    sequence axes."""
+    config = contract.config
     feeds = make_feeds(config, SAMPLE_LENGTHS, MaskSpec(), seed=0)
     batch = torch.export.Dim("batch", min=1, max=4096)
     sequence = torch.export.Dim("sequence", min=1, max=config.position_limit or MAX_SEQUENCE)
@@ -78,8 +86,7 @@ def export_onnx(model: Encoder, contract: ExportContract, path: str | Path, *, e
         param[spec.name]: {i: axis[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
         for spec in contract.inputs
     }
-    trace_cache.traced(model, contract, path, external_data,
-                       lambda out: _trace(model, contract, out, kwargs, dynamic, external_data))
+    return kwargs, dynamic
 
 
 def _trace(model: Encoder, contract: ExportContract, path: Path, kwargs: dict, dynamic: dict,
