@@ -32,6 +32,7 @@ import http.client
 import io
 import json
 import os
+import random
 import socket
 import subprocess
 import threading
@@ -62,12 +63,23 @@ REF_ATOL = FP32_TOLERANCE["limit"]  # the export's fp32 tolerance vs PyTorch
 DEADLINE_S = 120  # for any state to be reached (health, ejection, return)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for a bind to port 0 (ip_local_port_range; 32768 where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_range(size: int) -> str:
-    """`a-b`: `size` consecutive free ports on 127.0.0.1 (compose publishes one per replica from it)."""
+    """`a-b`: `size` consecutive free ports on 127.0.0.1 (compose publishes one per replica from it), below the
+    kernel's ephemeral range: a restarted replica binds its port again (docker restart), and a port of that range
+    may meanwhile be taken by any bind to port 0 (the other test worker's servers and clients: "address already in
+    use", seen beside a CPU hog)."""
+    low, pick = _ephemeral_low(), random.Random()
     for _ in range(50):
-        start = free_port()
-        if start + size > 65535:
-            continue
+        start = pick.randrange(10000, max(10001, low - size))
         sockets = []
         try:
             for port in range(start, start + size):
